@@ -1,0 +1,32 @@
+"""Character-level text data: the bundled tinyshakespeare (public domain) or any text file."""
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+
+def bundled_text_path() -> Path:
+    return Path(str(resources.files("lpoptim") / "data" / "tinyshakespeare.txt"))
+
+
+class CharData:
+    """Encodes a text file by characters and splits it 90/10 into train and validation."""
+
+    def __init__(self, path: str | Path | None = None, device="cpu"):
+        text = Path(path or bundled_text_path()).read_text(encoding="utf-8")
+        chars = sorted(set(text))
+        self.vocab_size = len(chars)
+        self.stoi = {c: i for i, c in enumerate(chars)}
+        data = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
+        n = int(0.9 * len(data))
+        self.train, self.val = data[:n].to(device), data[n:].to(device)
+
+    def batch(self, split: str, batch_size: int, block_size: int, generator: torch.Generator):
+        data = self.train if split == "train" else self.val
+        ix = torch.randint(len(data) - block_size - 1, (batch_size,), generator=generator).to(data.device)
+        offs = torch.arange(block_size, device=data.device)
+        x = data[ix[:, None] + offs]
+        y = data[ix[:, None] + offs + 1]
+        return x, y
