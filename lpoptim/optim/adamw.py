@@ -1,0 +1,215 @@
+"""lpoptim.AdamW: torch.optim.AdamW with its moments in FP8 (per-group scales, dynamic range expansion)."""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from ..formats import FloatFormat, get_format
+from .reference import MOMENTS, load_moment, reference_adamw_step
+from .state import StateLayout, init_state
+
+LPOPTIM_DEFAULTS = dict(
+    exp_avg_format="e4m3",
+    exp_avg_sq_format="e4m3",
+    group_size=128,
+    min_quant_numel=4096,
+    expansion=True,
+    sqrt_exp_avg_sq=True,
+)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2), or the tensor itself: states always follow the local shard."""
+    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "device_mesh") else t
+
+
+class AdamW(Optimizer):
+    """Drop-in for ``torch.optim.AdamW`` whose m and v live in FP8 (about 2.06 bytes per parameter instead of 8).
+
+    Signature and defaults are torch.optim.AdamW's. lpoptim's own keyword options, settable per parameter group:
+
+    - ``exp_avg_format`` / ``exp_avg_sq_format``: "e4m3" (default) or "e5m2".
+    - ``group_size`` (128): elements per scale, along the last dimension (so FSDP2 shards keep whole groups).
+    - ``min_quant_numel`` (4096): smaller tensors (norms, biases) keep fp32 moments.
+    - ``expansion`` (True): COAT's dynamic range expansion, k in {1, 2, 4, 8} per group.
+    - ``sqrt_exp_avg_sq`` (True): store sqrt(v) rather than v.
+
+    ``foreach`` is accepted and has no effect. ``fused``: None picks the fused Triton kernel for CUDA tensors
+    and the pure-torch reference elsewhere; True demands the kernel; False always uses the reference.
+    ``capturable`` is accepted: step counts always live on the parameter's device and no step syncs with the
+    host. ``differentiable=True``, sparse gradients and complex parameters are refused.
+    """
+
+    _step_supports_amp_scaling = True  # GradScaler passes grad_scale / found_inf as it does to torch's fused AdamW
+
+    def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None, **lpoptim_options: Any):
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= float(lr):
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        for i, b in enumerate(betas):
+            if not 0.0 <= float(b) < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if differentiable:
+            raise ValueError("lpoptim.AdamW does not support differentiable=True (its states are quantized)")
+        unknown = set(lpoptim_options) - set(LPOPTIM_DEFAULTS)
+        if unknown:
+            raise TypeError(f"lpoptim.AdamW got unexpected keyword arguments {sorted(unknown)}; "
+                            f"lpoptim's own options are {sorted(LPOPTIM_DEFAULTS)}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                        foreach=foreach, capturable=capturable, differentiable=False, fused=fused,
+                        **{**LPOPTIM_DEFAULTS, **lpoptim_options})
+        super().__init__(params, defaults)
+
+    # ---- parameter groups --------------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_group(group)
+        for p in group["params"]:
+            if p.is_complex():
+                raise ValueError("lpoptim.AdamW does not support complex parameters (view them as real pairs)")
+            if group["fused"] and _local(p).device.type != "cuda":
+                raise ValueError(f"fused=True needs CUDA parameters (the Triton kernel); got one on {p.device}")
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for k, v in LPOPTIM_DEFAULTS.items():
+                group.setdefault(k, v)
+
+    # ---- the step ------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        for group in self.param_groups:
+            self._step_group(group, grad_scale, found_inf)
+        return loss
+
+    def _step_group(self, group: dict, grad_scale, found_inf) -> None:
+        from ..kernels import adamw_step as kernel  # imported lazily: triton is optional on the CPU
+
+        beta1, beta2 = (float(b) for b in group["betas"])
+        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                     weight_decay=group["weight_decay"], amsgrad=group["amsgrad"], maximize=group["maximize"])
+        fused_batch = []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("lpoptim.AdamW does not support sparse gradients")
+            param, grad = _local(p), _local(p.grad)
+            layout = StateLayout.for_param(param, group)
+            state = self.state[p]
+            if len(state) == 0:
+                state.update(init_state(param, layout, group["amsgrad"]))
+            elif group["amsgrad"] and "max_exp_avg_sq" not in state:
+                state.update({k: v for k, v in init_state(param, layout, True).items() if k.startswith("max_")})
+            if group["fused"] is not False and kernel.supports(param, grad, layout):
+                fused_batch.append((param, grad, state, layout))
+            elif group["fused"]:
+                raise RuntimeError(f"fused=True but the Triton kernel cannot step this parameter "
+                                   f"({tuple(param.shape)}, {param.dtype}, {param.device}); use fused=None")
+            else:
+                reference_adamw_step(param, grad, state, layout, grad_scale=grad_scale, found_inf=found_inf, **hyper)
+        if fused_batch:
+            kernel.fused_adamw_step(fused_batch, grad_scale=grad_scale, found_inf=found_inf, **hyper)
+
+    # ---- state dicts ---------------------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads lpoptim's own state dicts exactly and torch.optim.AdamW's by quantizing them.
+
+        torch's base class casts floating state to each parameter's dtype; lpoptim restores every state
+        tensor's saved dtype afterwards (scales and fp32 moments must never pass through bf16)."""
+        saved = copy.deepcopy(state_dict)
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for k, v in LPOPTIM_DEFAULTS.items():
+                group.setdefault(k, v)
+            _check_group(group)
+        saved_ids = [i for g in saved["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        owner = {id(p): g for g in self.param_groups for p in g["params"]}
+        for pid, p in zip(saved_ids, params):
+            if pid not in saved["state"]:
+                continue
+            local = _local(p)
+            src = saved["state"][pid]
+            state = {k: (v.to(device=local.device) if torch.is_tensor(v) else v) for k, v in src.items()}
+            layout = StateLayout.for_param(local, owner[id(p)])
+            self.state[p] = _convert_state(state, local, layout)
+
+    def torch_state_dict(self) -> dict:
+        """This optimizer's state as torch.optim.AdamW would hold it (fp32 moments, dequantized)."""
+        sd = self.state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        owner = {id(p): g for g in self.param_groups for p in g["params"]}
+        ids = [i for g in sd["param_groups"] for i in g["params"]]
+        out_state = {}
+        for pid, p in zip(ids, params):
+            if pid not in sd["state"]:
+                continue
+            st = sd["state"][pid]
+            layout = StateLayout.for_param(_local(p), owner[id(p)])
+            out = {"step": st["step"].detach().clone().to("cpu")}
+            for name in MOMENTS:
+                if name in st:
+                    out[name] = load_moment(st, name, layout) if "exp_avg_scale" in st else st[name].float().clone()
+            out_state[pid] = out
+        groups = [{k: v for k, v in g.items() if k not in LPOPTIM_DEFAULTS} for g in sd["param_groups"]]
+        for g in groups:
+            g["decoupled_weight_decay"] = True
+        return {"state": out_state, "param_groups": groups}
+
+
+def _check_group(group: dict) -> None:
+    for name in ("exp_avg_format", "exp_avg_sq_format"):
+        fmt = get_format(group[name])
+        if not isinstance(fmt, FloatFormat) or fmt.dtype is None:
+            raise ValueError(f"{name} must be 'e4m3' or 'e5m2', got {group[name]!r}")
+    if not isinstance(group["group_size"], int) or group["group_size"] < 1:
+        raise ValueError(f"group_size must be a positive int, got {group['group_size']!r}")
+    if group.get("differentiable"):
+        raise ValueError("lpoptim.AdamW does not support differentiable=True")
+
+
+def _convert_state(state: dict, param: torch.Tensor, layout: StateLayout) -> dict:
+    """A loaded state in lpoptim's layout: kept as saved if it already is, quantized if it is torch's."""
+    import dataclasses
+
+    from .reference import encode_moment
+
+    step = state.get("step", torch.zeros(()))
+    step = torch.as_tensor(step, dtype=torch.float32).reshape(()).to(param.device)
+    quantized_in = "exp_avg_scale" in state
+    if quantized_in == layout.quantized:
+        out = dict(state)
+        out["step"] = step
+        if not layout.quantized:  # fp32 moments stay fp32 whatever the parameter's dtype
+            out.update({k: state[k].float() for k in MOMENTS if k in state})
+        return out
+    out = {"step": step}
+    for name in MOMENTS:
+        if name in state:
+            source = dataclasses.replace(layout, quantized=quantized_in)
+            value = load_moment(state, name, source)
+            out.update(encode_moment(name, value.to(param.device), layout))
+    return out

@@ -1,0 +1,85 @@
+"""The reference AdamW update for one tensor, in pure torch (CPU and CUDA): what lpoptim.AdamW computes.
+
+The math is torch.optim.AdamW's, in fp32 (decoupled weight decay, bias correction, eps outside the square
+root). The moments are dequantized before the update and quantized after it (quant.quantize_state); the
+update itself uses the fresh fp32 moments, not their rounded copies. The second moment may be stored as
+sqrt(v), which halves its dynamic range in log space. The Triton kernel in kernels/adamw_step.py computes the
+same thing in one pass; tests hold it to this function.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..quant import dequantize_state, quantize_state
+from .state import StateLayout
+
+MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def load_moment(state: dict, name: str, layout: StateLayout) -> torch.Tensor:
+    """The moment as fp32: for exp_avg_sq and max_exp_avg_sq this is v (squared back if stored as sqrt v)."""
+    x = state[name]
+    if layout.quantized:
+        x = dequantize_state(x, state[name + "_scale"], layout.format_of(name), layout.group_size)
+    x = x.float()
+    if layout.quantized and name != "exp_avg" and layout.sqrt_v:
+        x = x * x
+    return x
+
+
+def encode_moment(name: str, value: torch.Tensor, layout: StateLayout) -> dict[str, torch.Tensor]:
+    """An fp32 moment (v for the second moments) -> the state entries that hold it."""
+    if not layout.quantized:
+        return {name: value}
+    if name != "exp_avg" and layout.sqrt_v:
+        value = value.sqrt()
+    codes, scale = quantize_state(value, layout.format_of(name), layout.group_size, layout.expansion)
+    return {name: codes, name + "_scale": scale}
+
+
+def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, layout: StateLayout, *,
+                         lr, beta1: float, beta2: float, eps: float, weight_decay: float, amsgrad: bool,
+                         maximize: bool, grad_scale: torch.Tensor | None = None,
+                         found_inf: torch.Tensor | None = None) -> None:
+    """One AdamW step of ``param`` in place. ``state`` holds 'step' (fp32, on the device) and the moments.
+
+    ``grad_scale``/``found_inf`` follow torch's fused AdamW: gradients are divided by grad_scale, and when
+    found_inf is non-zero nothing changes, the step count included. No host synchronisation happens here.
+    """
+    dev = param.device
+    g = grad.float()
+    if grad_scale is not None:
+        g = g / grad_scale.to(dev)
+    if maximize:
+        g = -g
+    step = state["step"] + 1
+    if isinstance(lr, torch.Tensor):
+        lr = lr.to(device=dev, dtype=torch.float32)
+
+    p = param.float()
+    m = load_moment(state, "exp_avg", layout)
+    v = load_moment(state, "exp_avg_sq", layout)
+    m = m.lerp(g, 1 - beta1)
+    v = v * beta2 + (1 - beta2) * g * g
+    v_used = v
+    if amsgrad:
+        v_used = torch.maximum(load_moment(state, "max_exp_avg_sq", layout), v)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2_sqrt = (1 - beta2 ** step).sqrt()
+    denom = v_used.sqrt() / bias_correction2_sqrt + eps
+    p_new = p * (1 - lr * weight_decay) - (lr / bias_correction1) * (m / denom)
+
+    new = {"exp_avg": m, "exp_avg_sq": v}
+    if amsgrad:
+        new["max_exp_avg_sq"] = v_used
+    entries = {"step": step}
+    for name, value in new.items():
+        entries.update(encode_moment(name, value, layout))
+    p_new = p_new.to(param.dtype)
+    if found_inf is not None:  # skip the whole step without asking the host: keep every old value
+        skip = found_inf.to(dev) != 0
+        p_new = torch.where(skip, param, p_new)
+        entries = {k: torch.where(skip, state[k], e) for k, e in entries.items()}
+    param.copy_(p_new)
+    for k, e in entries.items():
+        state[k].copy_(e)

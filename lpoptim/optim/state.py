@@ -1,0 +1,83 @@
+"""How lpoptim.AdamW lays out a parameter's state, and what it costs in memory.
+
+Per parameter with at least ``min_quant_numel`` elements:
+  exp_avg            uint8 codes, the parameter's shape (E4M3 bit patterns of the expanded, scaled m)
+  exp_avg_scale      fp32 (rows, ceil(N / G)): one number per group of G along the last dimension; its two
+                     low mantissa bits hold log2 of the group's expansion exponent k (quant.pack_scale)
+  exp_avg_sq[_scale] the same for the second moment (stored as sqrt(v) by default)
+  max_exp_avg_sq[_scale]  with amsgrad
+  step               fp32 0-dim tensor on the parameter's device
+Smaller parameters (norms, biases) keep plain fp32 moments under the same names, as torch.optim.AdamW does.
+Everything is a plain tensor: a checkpoint loads with torch.load(weights_only=True) without lpoptim.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import FloatFormat, get_format
+from ..quant import num_groups
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    quantized: bool
+    exp_avg_format: str = "e4m3"
+    exp_avg_sq_format: str = "e4m3"
+    group_size: int = 128
+    expansion: bool = True
+    sqrt_v: bool = True
+
+    def format_of(self, name: str) -> FloatFormat:
+        return get_format(self.exp_avg_format if name == "exp_avg" else self.exp_avg_sq_format)
+
+    @staticmethod
+    def for_param(param: torch.Tensor, group: dict) -> "StateLayout":
+        return StateLayout(
+            quantized=param.numel() >= group["min_quant_numel"],
+            exp_avg_format=group["exp_avg_format"],
+            exp_avg_sq_format=group["exp_avg_sq_format"],
+            group_size=group["group_size"],
+            expansion=group["expansion"],
+            sqrt_v=group["sqrt_exp_avg_sq"],
+        )
+
+
+def init_state(param: torch.Tensor, layout: StateLayout, amsgrad: bool) -> dict[str, torch.Tensor]:
+    dev = param.device
+    names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
+    state = {"step": torch.zeros((), dtype=torch.float32, device=dev)}
+    for name in names:
+        if layout.quantized:
+            # zero codes with zero scales decode to exactly 0
+            state[name] = torch.zeros(param.shape, dtype=torch.uint8, device=dev)
+            state[name + "_scale"] = torch.zeros(num_groups(param.shape, layout.group_size), dtype=torch.float32, device=dev)
+        else:
+            state[name] = torch.zeros(param.shape, dtype=torch.float32, device=dev)
+    return state
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """Optimizer-state memory: total bytes, and bytes per parameter overall and over quantized tensors.
+
+    ``quantized_bytes_per_param`` is the figure to compare with torch AdamW's 8 (bitsandbytes and torchao
+    2.03, COAT 2.19); ``bytes_per_param`` includes the small tensors kept in fp32 and the step counters.
+    """
+    total = quant_bytes = quant_params = params = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            params += p.numel()
+            st = optimizer.state.get(p, {})
+            b = sum(t.numel() * t.element_size() for k, t in st.items() if torch.is_tensor(t) and k != "step")
+            total += b + sum(t.numel() * t.element_size() for k, t in st.items() if k == "step" and torch.is_tensor(t))
+            if "exp_avg_scale" in st:
+                quant_bytes += b
+                quant_params += p.numel()
+    return {
+        "total_bytes": float(total),
+        "params": float(params),
+        "bytes_per_param": total / max(params, 1),
+        "quantized_params": float(quant_params),
+        "quantized_bytes_per_param": quant_bytes / max(quant_params, 1),
+    }
