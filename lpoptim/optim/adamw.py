@@ -122,7 +122,7 @@ class AdamW(Optimizer):
                 state.update(init_state(param, layout, group["amsgrad"]))
             elif group["amsgrad"] and "max_exp_avg_sq" not in state:
                 state.update({k: v for k, v in init_state(param, layout, True).items() if k.startswith("max_")})
-            if group["fused"] is not False and kernel.supports(param, grad, layout):
+            if group["fused"] is not False and param.device.type == "cuda" and kernel.supports(param, grad, layout):
                 fused_batch.append((param, grad, state, layout))
             elif group["fused"]:
                 raise RuntimeError(f"fused=True but the Triton kernel cannot step this parameter "

@@ -59,7 +59,7 @@ def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, l
     p = param.float()
     m = load_moment(state, "exp_avg", layout)
     v = load_moment(state, "exp_avg_sq", layout)
-    m = m.lerp(g, 1 - beta1)
+    m = m + (1 - beta1) * (g - m)  # torch's lerp, written out so every backend rounds alike
     v = v * beta2 + (1 - beta2) * g * g
     v_used = v
     if amsgrad:

@@ -1,0 +1,72 @@
+"""Triton building blocks that round onto a small float grid exactly as formats.round_to_grid does.
+
+Rounding happens in fp32 (spacing from the exponent bits, a round-to-nearest-even by the 1.5·2^23 trick, which
+is exact for |y| < 2^22 and needs no libdevice, so the interpreter runs it too); the cast to fp8 afterwards is
+exact. The interpreter's own float->fp8 cast is wrong on carries and on NaN, which is why it is never asked to
+round and NaN codes are written as integers.
+"""
+import triton
+import triton.language as tl
+
+RNE_MAGIC = 12582912.0  # 1.5 * 2**23: adding and subtracting it rounds |y| < 2**22 to an integer, ties to even
+
+
+@triton.jit
+def round_half_even(y):
+    return (y + RNE_MAGIC) - RNE_MAGIC
+
+
+@triton.jit
+def grid_magnitude(a, MAN_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FMAX: tl.constexpr):
+    """|x| (finite, >= 0) -> the nearest grid value, ties to even, saturating at FMAX."""
+    a = tl.minimum(a, FMAX * 2.0)
+    exponent = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exponent = tl.maximum(exponent, MIN_EXP) - MAN_BITS
+    spacing = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+    r = round_half_even(a / spacing)  # division by a power of two: exact
+    return tl.minimum(r * spacing, FMAX)
+
+
+@triton.jit
+def with_sign_of(mag, x):
+    """copysign(mag, x) on the bits (-0.0 keeps its sign, as torch.copysign does)."""
+    bits = mag.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_bits(q, IS_E4M3: tl.constexpr):
+    """fp32 grid values (or NaN) -> uint8 fp8 bit patterns; NaN becomes 0x7F (E4M3) / 0x7E (E5M2) like torch."""
+    if IS_E4M3:
+        b = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        nan_code = 0x7F
+    else:
+        b = q.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        nan_code = 0x7E
+    return tl.where(q != q, nan_code, b).to(tl.uint8)
+
+
+@triton.jit
+def fp8_value(b, IS_E4M3: tl.constexpr):
+    """uint8 fp8 bit patterns -> fp32."""
+    if IS_E4M3:
+        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        return b.to(tl.float8e5, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def to_bf16_rne(x):
+    """fp32 -> bf16, round to nearest even, on the bits (the interpreter's own cast truncates)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def store_as(ptr, x, mask, DTYPE: tl.constexpr):
+    """Store fp32 ``x`` as DTYPE with round-to-nearest-even on every backend."""
+    if DTYPE == tl.bfloat16:
+        tl.store(ptr, to_bf16_rne(x), mask=mask)
+    else:
+        tl.store(ptr, x.to(DTYPE), mask=mask)

@@ -1,0 +1,118 @@
+"""The fused Triton step against the pure-torch reference: under the interpreter on the CPU, compiled on a GPU.
+
+Both compute the same fp32 operations in the same order, and the kernel rounds onto the FP8 grid itself, so
+under the interpreter they agree exactly except where fp32 results differ in the last bit (then a group scale
+or a code moves by one step). On the GPU the compiler may fuse multiply-adds, which moves some fp32 results by
+an ulp; the bound below allows a few codes to move one grid step, nothing more.
+"""
+import pytest
+import torch
+
+from lpoptim.kernels import adamw_step as kernel
+from lpoptim.optim.reference import load_moment, reference_adamw_step
+from lpoptim.optim.state import StateLayout, init_state
+
+SHAPES = [(48, 256), (5, 200), (1000,), (3, 7, 130), (16, 128)]
+
+
+def _run(device, dtype, steps=3, amsgrad=False, maximize=False, lr=1e-2, layout=None, grad_scale=None, found_inf=None):
+    layout = layout or StateLayout(quantized=True)
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=gen).to(device, dtype) for s in SHAPES]
+    ref_p = [p.clone() for p in params]
+    states = [init_state(p, layout, amsgrad) for p in params]
+    ref_s = [init_state(p, layout, amsgrad) for p in params]
+    hyper = dict(lr=lr, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, amsgrad=amsgrad, maximize=maximize)
+    for _ in range(steps):
+        grads = []
+        for p in params:
+            g = torch.randn(p.shape, generator=gen) * 10.0 ** float(torch.randint(-5, 1, (), generator=gen))
+            g.view(-1)[:3] = 0.0  # zeros inside a group must not collapse its range
+            grads.append(g.to(device, dtype))
+        kernel.fused_adamw_step([(p, g, s, layout) for p, g, s in zip(params, grads, states)],
+                                grad_scale=grad_scale, found_inf=found_inf, **hyper)
+        for p, g, s in zip(ref_p, grads, ref_s):
+            reference_adamw_step(p, g, s, layout, grad_scale=grad_scale, found_inf=found_inf, **hyper)
+    return params, ref_p, states, ref_s, layout
+
+
+def _compare(params, ref_p, states, ref_s, layout, code_tol=0.002):
+    for p, rp, s, rs in zip(params, ref_p, states, ref_s):
+        assert torch.equal(s["step"], rs["step"])
+        for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            if name not in s:
+                continue
+            moved = (s[name] != rs[name]).float().mean().item()
+            assert moved <= code_tol, f"{name}: {moved:.4%} of codes differ"
+            a, b = load_moment(s, name, layout), load_moment(rs, name, layout)
+            rel = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+            assert rel < 5e-3, f"{name}: relative difference {rel}"
+        ulp = torch.finfo(p.dtype).eps * rp.float().abs().clamp_min(1e-3)
+        assert ((p.float() - rp.float()).abs() <= 4 * ulp).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kernel_matches_reference_interpreter(dtype):
+    params, ref_p, states, ref_s, layout = _run("cpu", dtype)
+    _compare(params, ref_p, states, ref_s, layout)
+    if dtype == torch.bfloat16:  # a last-bit fp32 difference almost never survives rounding to bf16
+        assert sum(int((p != rp).sum()) for p, rp in zip(params, ref_p)) <= 2
+
+
+@pytest.mark.parametrize("opts", [dict(amsgrad=True), dict(maximize=True), dict(lr=torch.tensor(3e-3)),
+                                  dict(layout=StateLayout(True, "e4m3", "e5m2", 64, False, False)),
+                                  dict(layout=StateLayout(True, group_size=32, sqrt_v=False))])
+def test_kernel_options_interpreter(opts):
+    _compare(*_run("cpu", torch.float32, steps=2, **opts))
+
+
+def test_kernel_grad_scale_and_found_inf_interpreter():
+    _compare(*_run("cpu", torch.float32, steps=2, grad_scale=torch.tensor(1024.0), found_inf=torch.tensor(0.0)))
+    params, ref_p, states, ref_s, layout = _run("cpu", torch.float32, steps=2, found_inf=torch.tensor(1.0))
+    assert all(float(s["step"]) == 0 for s in states)
+    assert all(int(s["exp_avg"].count_nonzero()) == 0 for s in states)
+    _compare(params, ref_p, states, ref_s, layout)
+
+
+def test_kernel_nan_gradient_stays_in_its_element():
+    layout = StateLayout(quantized=True)
+    p = torch.randn(4, 256)
+    s = init_state(p, layout, False)
+    g = torch.randn(4, 256) * 1e-3
+    g[1, 5] = float("nan")
+    g[2, 9] = float("inf")
+    before = p.clone()
+    kernel.fused_adamw_step([(p, g, s, layout)], lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                            amsgrad=False, maximize=False)
+    bad = ~torch.isfinite(p)
+    assert bad.sum() == 2 and bad[1, 5] and bad[2, 9]
+    m = load_moment(s, "exp_avg", layout)
+    assert torch.isfinite(m).sum() == m.numel() - 2
+    assert ((p - before).abs()[torch.isfinite(p)] > 0).all()  # every other element still moved
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_kernel_matches_reference_gpu(dtype, amsgrad):
+    _compare(*_run("cuda", dtype, steps=4, amsgrad=amsgrad), code_tol=0.01)
+
+
+@pytest.mark.gpu
+def test_fused_optimizer_on_gpu_uses_kernel_and_tracks_torch():
+    import lpoptim
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).cuda()
+    ref = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).cuda()
+    ref.load_state_dict(model.state_dict())
+    opt = lpoptim.AdamW(model.parameters(), lr=1e-3, fused=True, min_quant_numel=4096)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    x = torch.randn(64, 256, device="cuda")
+    for _ in range(20):
+        for m, o in ((model, opt), (ref, ropt)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert (a - b).abs().max() < 20 * 1e-3 * 0.15
