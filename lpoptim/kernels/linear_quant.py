@@ -1,0 +1,130 @@
+"""Fused GEMM-operand quantizer: (block Hadamard +) absmax scale + round onto a grid + cast, and transpose.
+
+One kernel quantizes the rows of a 2-D tensor given by pointer and strides. Quantizing the *columns* of x (for
+the weight-gradient GEMM, where tokens are contracted) is the same kernel on the strided view ``x.t()``: the tile
+is loaded along x's contiguous dimension and stored transposed into the contiguous output, in one pass.
+
+Numerics follow the references exactly: lpoptim.quant.quantize (scale = amax / max, x / scale, both correctly
+rounded: ``div_rn``), lpoptim.formats.round_to_grid (spacing from the fp32 exponent, round half to even, clamp),
+and lpoptim.nn.hadamard.block_hadamard (±1 matrix with fp32 accumulation, then times the fp32 1/√b). With a
+Hadamard block only the summation order differs from torch's matmul.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import FloatFormat, IntFormat, get_format
+from ..nn.hadamard import hadamard_pm1, inv_sqrt
+from ..nn.operands import container_dtype
+from ..quant import _finite_absmax, absmax_scale
+
+_RNE_MAGIC = 12582912.0  # 1.5·2^23: (y + M) - M rounds |y| < 2^22 to the nearest integer, ties to even
+
+
+@triton.jit
+def _round_to_grid(y, IS_INT: tl.constexpr, FMAX: tl.constexpr, MAN: tl.constexpr, EMIN: tl.constexpr,
+                   QMIN: tl.constexpr, QMAX: tl.constexpr):
+    if IS_INT:
+        r = (y + _RNE_MAGIC) - _RNE_MAGIC
+        q = tl.minimum(tl.maximum(r, QMIN), QMAX)
+    else:
+        a = tl.minimum(tl.abs(y), 2.0 * FMAX)
+        e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        e = tl.maximum(e, EMIN) - MAN
+        spacing = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        inv_spacing = ((127 - e) << 23).to(tl.float32, bitcast=True)  # exact: a power of two
+        r = ((a * inv_spacing) + _RNE_MAGIC) - _RNE_MAGIC
+        q = tl.minimum(r * spacing, FMAX)
+        q = tl.where(y < 0, -q, q)
+    return q
+
+
+@triton.jit
+def _load_tile(x_ptr, h_ptr, rows, c0, R, C, stride_r, stride_c, HB: tl.constexpr, BLOCK_C: tl.constexpr,
+               HAD: tl.constexpr, INV_SQRT: tl.constexpr, BF16_DOT: tl.constexpr):
+    cols = c0 + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    t = tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0)
+    if HAD:
+        hr = tl.arange(0, HB)
+        h = tl.load(h_ptr + hr[:, None] * HB + hr[None, :])
+        if BF16_DOT:  # bf16 input: ±1 products are exact, accumulation in fp32 on the tensor cores
+            t = tl.dot(t.to(tl.bfloat16), h.to(tl.bfloat16), out_dtype=tl.float32)
+        else:
+            t = tl.dot(t.to(tl.float32), h, input_precision="ieee")
+        t = t * INV_SQRT
+    return t.to(tl.float32)
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, R, C, CP, stride_r, stride_c,
+                       IS_INT: tl.constexpr, FMAX: tl.constexpr, MAN: tl.constexpr, EMIN: tl.constexpr,
+                       QMIN: tl.constexpr, QMAX: tl.constexpr, PER_TENSOR: tl.constexpr, HAD: tl.constexpr,
+                       INV_SQRT: tl.constexpr, BF16_DOT: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_C: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    if PER_TENSOR:
+        scale = tl.load(scale_ptr) + tl.zeros((BLOCK_R,), tl.float32)
+    else:  # pass 1: the row's absmax over finite elements (the second pass re-reads from L2)
+        amax = tl.zeros((BLOCK_R,), tl.float32)
+        for c0 in range(0, CP, BLOCK_C):
+            t = tl.abs(_load_tile(x_ptr, h_ptr, rows, c0, R, C, stride_r, stride_c, BLOCK_C, BLOCK_C, HAD,
+                                  INV_SQRT, BF16_DOT))
+            t = tl.where(t < float("inf"), t, 0.0)  # inf and NaN do not set the scale
+            amax = tl.maximum(amax, tl.max(t, axis=1))
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, FMAX), 1.0)
+        tl.store(scale_ptr + rows, scale, mask=rows < R)
+    for c0 in range(0, CP, BLOCK_C):
+        t = _load_tile(x_ptr, h_ptr, rows, c0, R, C, stride_r, stride_c, BLOCK_C, BLOCK_C, HAD, INV_SQRT,
+                       BF16_DOT)
+        q = _round_to_grid(tl.math.div_rn(t, scale[:, None]), IS_INT, FMAX, MAN, EMIN, QMIN, QMAX)
+        cols = c0 + tl.arange(0, BLOCK_C)
+        mask = (rows[:, None] < R) & (cols[None, :] < CP)
+        tl.store(out_ptr + rows[:, None] * CP + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _interpreted() -> bool:
+    # The interpreter's bf16 tl.dot returns garbage (triton 3.9); its fp32 "ieee" dot computes the same sums
+    # (bf16 -> fp32 and products by ±1 are exact), so under the interpreter bf16 input takes the fp32 path.
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block: int | None = None,
+                  cols: int | None = None, block_r: int = 32):
+    """Rows of 2-D ``x`` (any strides) -> (values (R, cols) fp8 contiguous, scale fp32 (R, 1) or 0-dim).
+
+    Columns beyond x's are zero (padding for the GEMM). Same result as operands.quantize_operand_ref.
+    """
+    fmt = get_format(fmt)
+    R, C = x.shape
+    cols = C if cols is None else cols
+    if hadamard_block and cols % hadamard_block:
+        raise ValueError(f"padded width {cols} is not a multiple of the Hadamard block {hadamard_block}")
+    out = torch.empty((R, cols), device=x.device, dtype=container_dtype(fmt))
+    if granularity == "tensor":
+        if hadamard_block:
+            raise NotImplementedError("per-tensor scaling with a Hadamard transform: use granularity='row'")
+        scale = absmax_scale(_finite_absmax(x.float()), fmt).reshape(())
+    elif granularity == "row":
+        scale = torch.empty((R, 1), device=x.device, dtype=torch.float32)
+    else:
+        raise ValueError(f"granularity must be 'row' or 'tensor', got {granularity!r}")
+    if R == 0:
+        return out, scale
+    is_int = isinstance(fmt, IntFormat)
+    had = bool(hadamard_block)
+    block_c = hadamard_block if had else min(128, triton.next_power_of_2(max(cols, 16)))
+    h = hadamard_pm1(hadamard_block, x.device) if had else scale  # dummy pointer when unused
+    _quant_rows_kernel[(triton.cdiv(R, block_r),)](
+        x, out, scale, h, R, C, cols, x.stride(0), x.stride(1),
+        IS_INT=is_int, FMAX=float(fmt.max), MAN=0 if is_int else fmt.man_bits,
+        EMIN=0 if is_int else fmt.min_normal_exp, QMIN=fmt.qmin if is_int else 0, QMAX=fmt.qmax if is_int else 0,
+        PER_TENSOR=granularity == "tensor", HAD=had, INV_SQRT=inv_sqrt(hadamard_block) if had else 1.0,
+        BF16_DOT=x.dtype == torch.bfloat16 and not _interpreted(), BLOCK_R=block_r, BLOCK_C=block_c,
+    )
+    return out, scale

@@ -1,0 +1,60 @@
+"""convert_linears: swap a model's nn.Linear modules for low-bit ones, in place."""
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch.nn as nn
+
+from .linear import LowBitLinear, module_class
+from .recipes import Recipe, get_recipe
+
+# Output heads stay in high precision by default: their logits feed a softmax over the vocabulary, and 4-bit
+# logits cost far more quality than the one GEMM saves (the usual practice in FP8/FP4 training recipes).
+DEFAULT_SKIP = ("lm_head", "output", "head", "classifier", "score")
+
+
+def _embedding_weights(model: nn.Module) -> set[int]:
+    return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+
+
+def convert_linears(model: nn.Module, recipe: str | Recipe = "fp8", *,
+                    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+                    skip: tuple[str, ...] = DEFAULT_SKIP, skip_tied: bool = True, **recipe_overrides) -> nn.Module:
+    """Replace every nn.Linear of ``model`` (in place) by a LowBitLinear running ``recipe``; returns ``model``.
+
+    recipe: "fp8", "fp8_tensor", "fp4", "fp4_block32", "int4", "int4_split", or a Recipe; keyword overrides
+      change its fields (e.g. ``hadamard_block=64``, ``occ_alpha=None``).
+    Kept in high precision: layers whose last name component is in ``skip`` (the LM head), layers whose weight
+      is shared with an nn.Embedding when ``skip_tied`` (a tied head), and layers with a feature dim not divisible
+      by 16 (with a warning). Embeddings are not Linear and are never touched.
+    filter_fn(module, fqn) -> bool: when given, a layer is converted only if it also returns True.
+    Parameters are shared, not copied: an optimizer built before the conversion still holds the right tensors.
+    """
+    recipe = get_recipe(recipe, **recipe_overrides)
+    tied = _embedding_weights(model) if skip_tied else set()
+    cls = module_class(recipe)
+    todo, odd = [], []
+    for fqn, mod in model.named_modules():
+        if type(mod) is not nn.Linear:  # exact type: already converted layers and other subclasses are left
+            continue
+        if fqn.rsplit(".", 1)[-1] in skip or id(mod.weight) in tied:
+            continue
+        if filter_fn is not None and not filter_fn(mod, fqn):
+            continue
+        if mod.in_features % 16 or mod.out_features % 16:
+            odd.append(f"{fqn} ({mod.in_features}->{mod.out_features})")
+            continue
+        todo.append(fqn)
+    if odd:
+        warnings.warn("kept in high precision, feature dims not divisible by 16: " + ", ".join(odd))
+    for fqn in todo:
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, cls.from_linear(getattr(parent, child), recipe))
+    return model
+
+
+def converted(model: nn.Module) -> dict[str, str]:
+    """{fqn: recipe name} of the low-bit layers in ``model``."""
+    return {n: m.recipe.name for n, m in model.named_modules() if isinstance(m, LowBitLinear)}

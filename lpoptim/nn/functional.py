@@ -1,0 +1,161 @@
+"""The autograd Functions, one per recipe. Each forward saves only low-bit tensors (plus the weight parameter,
+which exists anyway) and each backward runs its two GEMMs low-bit:
+
+    forward  y  = x Wᵀ     x quantized per token, W per output channel (or per tensor)
+    backward dx = dy W     dy per token (E5M2), W re-quantized per *input* channel: read as Wᵀ (K, N)
+             dW = dyᵀ x    dyᵀ per output channel over tokens, x per input channel over tokens: that copy of x
+                           is what forward saves, already transposed (K, tokens) and in FP8
+
+Tokens are padded with zeros to a multiple of 16 where they are contracted (dW). Feature dims must be
+multiples of 16 (checked by the module). Biases are added in the output dtype; db = Σ_tokens dy.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..formats import E4M3
+from .fp4 import dge_derivative, occ_split, residual_matmul
+from .hadamard import pick_block
+from .operands import (Operand, gemm, int8_split_operand, pow2_block_operand, pow2_block_scaled,
+                       quantize_operand)
+from .recipes import Recipe
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def _save_x_for_dw(x2: torch.Tensor, r: Recipe) -> Operand:
+    """x (M, K) -> xᵀ (K, M padded) quantized along tokens: the dW GEMM's second operand."""
+    if r.backward == "int4split":
+        return quantize_operand(x2.t(), "int4_sym", "row", r.hadamard_block)
+    return quantize_operand(x2.t(), r.bwd_fmt, r.granularity)
+
+
+def _fp8_backward(g2: torch.Tensor, w: torch.Tensor, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool):
+    dx = dw = None
+    if need_dx:
+        gq = quantize_operand(g2, r.grad_fmt, r.granularity)          # (M, N)
+        wt = quantize_operand(w.t(), E4M3, r.granularity)              # (K, N): W per input channel
+        dx = gemm(gq, wt, torch.float32)
+    if need_dw:
+        gt = quantize_operand(g2.t(), r.grad_fmt, r.granularity)       # (N, M padded like xt)
+        dw = gemm(gt, xt, torch.float32)
+    return dx, dw
+
+
+def _int4split_backward(g2: torch.Tensor, w: torch.Tensor, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool):
+    """dy as INT8 (after a Hadamard along the contraction dim) split into two INT4 halves, the other operand INT4."""
+    dx = dw = None
+    if need_dx:
+        b = pick_block(w.shape[0], r.hadamard_block)
+        hi, lo = int8_split_operand(g2, b)
+        wt = quantize_operand(w.t(), "int4_sym", "row", b)
+        dx = gemm(hi, wt) + gemm(lo, wt)
+    if need_dw:
+        b = r.hadamard_block
+        hi, lo = int8_split_operand(g2.t(), b)
+        dw = gemm(hi, xt) + gemm(lo, xt)
+    return dx, dw
+
+
+class _LowBitLinearFunction(torch.autograd.Function):
+    """Shared backward; subclasses define the forward GEMM."""
+
+    @staticmethod
+    def forward_gemm(ctx, x2, w, r: Recipe) -> torch.Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def weight_grad_factor(w, r: Recipe) -> torch.Tensor | None:
+        return None
+
+    @classmethod
+    def forward(cls, ctx, x, w, bias, r: Recipe, out_dtype: torch.dtype):
+        x2 = _flat(x)
+        y = cls.forward_gemm(ctx, x2, w, r)
+        if bias is not None:
+            y = y + bias.float()
+        xt = _save_x_for_dw(x2, r) if w.requires_grad else None
+        ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.has_bias = r, x.shape, x.dtype, bias is not None
+        ctx.save_for_backward(w, *((xt.values, xt.scale) if xt is not None else ()))
+        return y.to(out_dtype).reshape(*x.shape[:-1], w.shape[0])
+
+    @classmethod
+    def backward(cls, ctx, gy):
+        r = ctx.recipe
+        w, *saved = ctx.saved_tensors
+        xt = Operand(*saved) if saved else None
+        g2 = _flat(gy)
+        need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        with torch.autocast(gy.device.type, enabled=False):
+            bwd = _int4split_backward if r.backward == "int4split" else _fp8_backward
+            dx, dw = bwd(g2, w, xt, r, need_dx, need_dw and xt is not None)
+            if dw is not None:
+                factor = cls.weight_grad_factor(w, r)
+                if factor is not None:
+                    dw = dw * factor
+                dw = dw.to(w.dtype)
+            if dx is not None:
+                dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
+            db = g2.float().sum(0).to(w.dtype) if (need_db and ctx.has_bias) else None
+        return dx, dw, db, None, None
+
+
+class Fp8LinearFunction(_LowBitLinearFunction):
+    @staticmethod
+    def forward_gemm(ctx, x2, w, r):
+        return gemm(quantize_operand(x2, r.fwd_fmt, r.granularity), quantize_operand(w, r.fwd_fmt, r.granularity))
+
+
+class Fp4LinearFunction(_LowBitLinearFunction):
+    """E2M1 forward with outlier clamping (OCC), DGE on the weight gradient; backward GEMMs in FP8."""
+
+    @staticmethod
+    def forward_gemm(ctx, x2, w, r):
+        resid = None
+        if r.occ_alpha is not None:
+            x2, resid = occ_split(x2, r.occ_alpha, r.occ_sample)
+        if r.fp4_block:
+            xq, wq = pow2_block_operand(x2, r.fp4_block), pow2_block_operand(w, r.fp4_block)
+        else:
+            xq, wq = quantize_operand(x2, "e2m1", r.granularity), quantize_operand(w, "e2m1", r.granularity)
+        y = gemm(xq, wq)
+        if resid is not None:  # the clamped-off outliers, in fp32 against the unquantized weight
+            y = y + residual_matmul(resid, w)
+        return y
+
+    @staticmethod
+    def weight_grad_factor(w, r):
+        if r.dge_k is None:
+            return None
+        if r.fp4_block:
+            v = pow2_block_scaled(w, r.fp4_block)
+        else:
+            q = quantize_operand(w, "e2m1", r.granularity)  # only for its scale: v = w / scale, as quantized
+            v = w.float() / q.scale
+        return dge_derivative(v, r.dge_k, r.dge_cap)
+
+
+class Int4LinearFunction(_LowBitLinearFunction):
+    """INT4 (-7..7) after a block-diagonal Hadamard along in-features; it cancels in the product."""
+
+    @staticmethod
+    def forward_gemm(ctx, x2, w, r):
+        b = pick_block(w.shape[1], r.hadamard_block)
+        return gemm(quantize_operand(x2, r.fwd_fmt, "row", b), quantize_operand(w, r.fwd_fmt, "row", b))
+
+
+FUNCTIONS = {"e4m3": Fp8LinearFunction, "e2m1": Fp4LinearFunction, "int4_sym": Int4LinearFunction,
+             "int4": Int4LinearFunction}
+
+
+def lowbit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The functional form: y = x Wᵀ + b with the recipe's low-bit GEMMs, forward and backward."""
+    fn = FUNCTIONS[recipe.fwd_fmt]
+    if out_dtype is None:
+        dev = x.device.type
+        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    with torch.autocast(x.device.type, enabled=False):
+        return fn.apply(x, weight, bias, recipe, out_dtype)

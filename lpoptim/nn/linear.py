@@ -1,0 +1,66 @@
+"""LowBitLinear: an nn.Linear whose three GEMMs run in FP8, FP4 or INT4 according to a recipe.
+
+It is an nn.Linear subclass holding the very same ``weight`` and ``bias`` parameters (same dtype, same
+state_dict keys), so optimizers, checkpoints, weight tying and isinstance checks keep working; only the
+arithmetic of forward and backward changes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .functional import lowbit_linear
+from .recipes import Recipe, get_recipe
+
+
+def check_dims(in_features: int, out_features: int) -> None:
+    """The FP8 GEMM (torch._scaled_mm) needs both feature dims to be multiples of 16; tokens are padded."""
+    bad = [f"{n}={v}" for n, v in (("in_features", in_features), ("out_features", out_features)) if v % 16]
+    if bad:
+        raise ValueError(f"low-bit linear layers need feature dims divisible by 16 ({', '.join(bad)}); "
+                         "keep this layer in high precision (convert_linears skips it by default)")
+
+
+class LowBitLinear(nn.Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
+                 recipe: str | Recipe = "fp8", **recipe_overrides):
+        check_dims(in_features, out_features)
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.recipe = get_recipe(recipe, **recipe_overrides)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: str | Recipe = "fp8", **recipe_overrides) -> "LowBitLinear":
+        """Wrap an existing nn.Linear, sharing its parameter objects (no copy)."""
+        check_dims(linear.in_features, linear.out_features)
+        m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
+                recipe=recipe, **recipe_overrides)
+        m.weight = linear.weight
+        m.bias = linear.bias
+        m.train(linear.training)
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return lowbit_linear(x, self.weight, self.bias, self.recipe)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe.name}"
+
+
+# Named per recipe for readable reprs and isinstance checks; the arithmetic is all in the recipe.
+class Fp8Linear(LowBitLinear):
+    def __init__(self, *a, recipe="fp8", **kw):
+        super().__init__(*a, recipe=recipe, **kw)
+
+
+class Fp4Linear(LowBitLinear):
+    def __init__(self, *a, recipe="fp4", **kw):
+        super().__init__(*a, recipe=recipe, **kw)
+
+
+class Int4Linear(LowBitLinear):
+    def __init__(self, *a, recipe="int4", **kw):
+        super().__init__(*a, recipe=recipe, **kw)
+
+
+def module_class(recipe: Recipe) -> type[LowBitLinear]:
+    return {"e4m3": Fp8Linear, "e2m1": Fp4Linear}.get(recipe.fwd_fmt, Int4Linear)

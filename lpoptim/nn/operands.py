@@ -1,0 +1,171 @@
+"""GEMM operands: quantize a 2-D tensor along its contraction dimension, and multiply two such operands.
+
+An operand is a matrix read by the GEMM with its contraction dimension last: ``values`` (R, C) on a format's grid
+held in an fp8 dtype, and ``scale`` fp32, one per row (R, 1) or one for the tensor. E2M1 and INT4 values are
+exact in float8_e4m3fn, so the 4-bit recipes use the same container and the same FP8 tensor-core GEMM, which is
+exact with fp32 accumulation (use_fast_accum=False). ``quantize(..., granularity="row")`` from lpoptim.quant is
+the reference; on CUDA a fused Triton kernel (lpoptim/kernels/linear_quant.py) computes the same thing.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..formats import E2M1, E4M3, E5M2, FloatFormat, IntFormat, get_format, round_to_grid
+from ..quant import quantize, to_groups, from_groups
+from .hadamard import block_hadamard
+
+# Two INT4 halves of an 8-bit integer: q = 16·hi + lo with hi in -7..7, lo in -8..7 (see split_int8).
+INT8_SPLIT = IntFormat("int8_split", -119, 119)
+
+
+def container_dtype(fmt) -> torch.dtype:
+    """The fp8 dtype that holds ``fmt``'s values exactly (E5M2 for E5M2; E4M3 for E4M3, E2M1 and INT4)."""
+    fmt = get_format(fmt) if not isinstance(fmt, (FloatFormat, IntFormat)) else fmt
+    if fmt is E5M2:
+        return torch.float8_e5m2
+    if isinstance(fmt, IntFormat) and max(fmt.qmax, -fmt.qmin) > 16:
+        raise ValueError(f"{fmt.name} values are not exact in float8_e4m3fn")
+    return torch.float8_e4m3fn
+
+
+@dataclass
+class Operand:
+    values: torch.Tensor  # (R, C), fp8 dtype, contiguous
+    scale: torch.Tensor   # fp32: (R, 1) per row, or 0-dim per tensor
+
+    def dequantize(self) -> torch.Tensor:
+        return self.values.float() * self.scale
+
+
+def padded(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def quantize_operand_ref(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block: int | None = None,
+                         cols: int | None = None) -> Operand:
+    """Reference: zero-pad the columns to ``cols``, optional block Hadamard along them, absmax-quantize."""
+    fmt = get_format(fmt)
+    x = x.float()
+    if cols is not None and cols != x.shape[1]:
+        x = F.pad(x, (0, cols - x.shape[1]))
+    if hadamard_block:
+        x = block_hadamard(x, hadamard_block)
+    q = quantize(x, fmt, granularity)
+    scale = q.scale.reshape(-1, 1) if granularity == "row" else q.scale.reshape(())
+    return Operand(q.values.to(container_dtype(fmt)), scale)
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+def quantize_operand(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block: int | None = None,
+                     pad_to: int = 16) -> Operand:
+    """Quantize the rows of 2-D ``x`` (any strides: pass ``t.t()`` to quantize columns, output transposed).
+
+    Columns are zero-padded to a multiple of ``pad_to`` and of the Hadamard block (zeros change no GEMM result).
+    """
+    if x.dim() != 2:
+        raise ValueError(f"expected a 2-D tensor, got shape {tuple(x.shape)}")
+    cols = padded(x.shape[1], math.lcm(pad_to, hadamard_block or 1))
+    if use_kernels(x):
+        from ..kernels.linear_quant import quantize_rows
+        values, scale = quantize_rows(x, fmt, granularity, hadamard_block, cols)
+        return Operand(values, scale)
+    return quantize_operand_ref(x, fmt, granularity, hadamard_block, cols)
+
+
+def pow2_block_operand(x: torch.Tensor, block: int = 32, pad_to: int = 16) -> Operand:
+    """FP4 with one power-of-two scale per ``block`` elements along the row, folded into E4M3 (reference, torch).
+
+    Block scale 2^e with e = ceil(log2(amax/6)) keeps |x|/2^e <= 6 on the E2M1 grid. Relative to the row's
+    largest block exponent E, q·2^(e-E) is exact in E4M3 (E2M1 has 2 significant bits, E4M3 4) down to E4M3's
+    subnormals: blocks more than 2^8 below the row's largest lose bits there (rounded by round_to_grid).
+    The row keeps the fp32 scale 2^E, so one FP8 GEMM with row-wise scales computes the block-scaled product.
+    """
+    x = x.float()
+    cols = padded(x.shape[1], math.lcm(pad_to, block))
+    x = F.pad(x, (0, cols - x.shape[1]))
+    g = to_groups(x, block)  # (R, nb, block)
+    amax = g.abs().nan_to_num(0.0, 0.0, 0.0).amax(-1)
+    mant, ex = torch.frexp(amax / E2M1.max)  # amax/6 = mant·2^ex, mant in [0.5, 1)
+    e = torch.where(mant > 0.5, ex, ex - 1).clamp(min=-126)
+    e = torch.where(amax > 0, e, torch.full_like(e, -126))
+    q = round_to_grid(g / torch.ldexp(torch.ones_like(amax), e).unsqueeze(-1), E2M1)
+    e_row = e.amax(-1, keepdim=True)
+    folded = round_to_grid(q * torch.ldexp(torch.ones_like(amax), e - e_row).unsqueeze(-1), E4M3)
+    values = from_groups(folded, x.shape)
+    return Operand(values.to(torch.float8_e4m3fn), torch.ldexp(torch.ones_like(e_row, dtype=torch.float32), e_row))
+
+
+def pow2_block_scaled(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x divided by its power-of-two block scale (what the E2M1 grid sees; for the DGE)."""
+    shape = x.shape
+    x = x.float()
+    cols = padded(shape[-1], block)
+    g = to_groups(F.pad(x, (0, cols - shape[-1])), block)
+    mant, ex = torch.frexp(g.abs().amax(-1) / E2M1.max)
+    e = torch.where(mant > 0.5, ex, ex - 1).clamp(min=-126)
+    return from_groups(g / torch.ldexp(torch.ones_like(mant), e).unsqueeze(-1), (shape[0], cols))[:, : shape[-1]]
+
+
+def split_int8(op: Operand) -> tuple[Operand, Operand]:
+    """An operand with integer values in -119..119 (fp32) -> hi, lo operands with q = 16·hi + lo, both INT4.
+
+    hi = floor((q + 8) / 16) is in -7..7 and lo = q - 16·hi in -8..7: two exact 4-bit GEMMs give the 8-bit one.
+    """
+    q = op.values.float()
+    hi = torch.floor((q + 8) / 16)
+    lo = q - 16 * hi
+    return Operand(hi.to(torch.float8_e4m3fn), op.scale * 16), Operand(lo.to(torch.float8_e4m3fn), op.scale)
+
+
+def int8_split_operand(x: torch.Tensor, hadamard_block: int | None, pad_to: int = 16) -> tuple[Operand, Operand]:
+    """Quantize rows to INT8 (±119, after the block Hadamard), split into two INT4 operands (reference, torch)."""
+    cols = padded(x.shape[1], math.lcm(pad_to, hadamard_block or 1))
+    x = F.pad(x.float(), (0, cols - x.shape[1]))
+    if hadamard_block:
+        x = block_hadamard(x, hadamard_block)
+    q = quantize(x, INT8_SPLIT, "row")
+    return split_int8(Operand(q.values, q.scale.reshape(-1, 1)))
+
+
+# ---- the GEMM ------------------------------------------------------------------------------------------------
+
+FALLBACKS: list[str] = []  # reasons torch._scaled_mm was not used on CUDA (the benchmark prints them)
+
+
+def _scales(a: Operand, b: Operand):
+    sa, sb = a.scale, b.scale.reshape(1, -1) if b.scale.dim() else b.scale
+    if sa.dim() != sb.dim():  # row-wise on one side only: the CUDA kernel wants both row-wise
+        if sa.dim() == 0:
+            sa = sa.expand(a.values.shape[0], 1).contiguous()
+        else:
+            sb = sb.reshape(1, 1).expand(1, b.values.shape[0]).contiguous()
+    return sa, sb
+
+
+def gemm(a: Operand, b: Operand, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(a.values·a.scale) @ (b.values·b.scale)ᵀ: a (M, K), b (N, K), the contraction dim K last in both.
+
+    CUDA: torch._scaled_mm with fp32 accumulation (b passed column-major, as Hopper wants). CPU: the same
+    product in fp32 from the grid values (exact for 4-bit values: products are multiples of 1/4).
+    """
+    sa, sb = _scales(a, b)
+    if a.values.is_cuda:
+        rowwise = sa.dim() == 2
+        try:
+            out = torch._scaled_mm(a.values, b.values.t(), scale_a=sa, scale_b=sb,
+                                   out_dtype=torch.bfloat16 if rowwise else out_dtype, use_fast_accum=False)
+            return out.to(out_dtype)
+        except RuntimeError as e:  # keep training correct; the benchmark reports this loudly
+            if len(FALLBACKS) < 8:
+                FALLBACKS.append(str(e).splitlines()[0])
+                warnings.warn(f"torch._scaled_mm failed ({FALLBACKS[-1]}); emulating in fp32")
+    acc = a.values.float() @ b.values.float().t()
+    return (acc * sa * sb).to(out_dtype)

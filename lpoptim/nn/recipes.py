@@ -1,0 +1,65 @@
+"""Recipes: which number format and scaling each GEMM of a linear layer uses, forward and backward.
+
+A linear layer y = x Wᵀ (x: tokens × in, W: out × in) runs three GEMMs:
+
+    forward      y  = x  Wᵀ     contraction over in-features
+    grad input   dx = dy W      contraction over out-features
+    grad weight  dW = dyᵀ x     contraction over tokens
+
+A scale can only be factored out of a GEMM along a dimension that is *not* contracted, so every operand is
+quantized along its contraction dimension (one scale per row of the operand as the GEMM reads it), or per
+tensor. That is why x is quantized twice: per token for the forward, per in-feature (over tokens) for dW; the
+second copy is what the layer saves for backward, in FP8 (1 byte per element instead of bf16's 2).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    # forward operands
+    fwd_fmt: str = "e4m3"          # format of x and W in the forward GEMM: e4m3, e2m1 or int4 (INT4_SYM, -7..7)
+    granularity: str = "row"       # "row" (per token / per output channel) or "tensor"
+    hadamard_block: int | None = None  # int4: block-diagonal Hadamard along the contraction dim, before quantizing
+    # backward operands
+    grad_fmt: str = "e5m2"         # output gradient dy
+    bwd_fmt: str = "e4m3"          # W in the dx GEMM and the saved x in the dW GEMM
+    backward: str = "fp8"          # "fp8", or (int4 only) "int4split": dy as INT8 split into two INT4 halves
+    # fp4 (Wang et al. 2025, arXiv 2501.17116)
+    fp4_block: int | None = None   # None: per-token/per-channel scales; 32: blocks with power-of-two scales
+    dge_k: float | None = None     # differentiable gradient estimator exponent (None: straight-through)
+    dge_cap: float = 3.0           # cap on the DGE derivative
+    occ_alpha: float | None = None  # outlier clamping quantile of |x| (None: off)
+    occ_sample: int = 1 << 20      # the quantile is estimated on at most this many evenly strided elements
+
+    def with_(self, **kw) -> "Recipe":
+        return replace(self, **kw)
+
+
+FP8 = Recipe("fp8")
+FP8_TENSOR = Recipe("fp8_tensor", granularity="tensor")
+FP4 = Recipe("fp4", fwd_fmt="e2m1", dge_k=5.0, dge_cap=3.0, occ_alpha=0.99)
+FP4_BLOCK = Recipe("fp4_block32", fwd_fmt="e2m1", fp4_block=32, dge_k=5.0, dge_cap=3.0, occ_alpha=0.99)
+INT4 = Recipe("int4", fwd_fmt="int4_sym", hadamard_block=128)
+INT4_SPLIT = Recipe("int4_split", fwd_fmt="int4_sym", hadamard_block=128, backward="int4split")
+
+RECIPES = {r.name: r for r in (FP8, FP8_TENSOR, FP4, FP4_BLOCK, INT4, INT4_SPLIT)}
+
+
+def get_recipe(recipe: str | Recipe, **overrides) -> Recipe:
+    if isinstance(recipe, str):
+        try:
+            recipe = RECIPES[recipe]
+        except KeyError:
+            raise ValueError(f"unknown recipe {recipe!r}; choose one of {sorted(RECIPES)}") from None
+    if overrides:
+        recipe = recipe.with_(**overrides)
+    if recipe.granularity not in ("row", "tensor"):
+        raise ValueError(f"granularity must be 'row' or 'tensor', got {recipe.granularity!r}")
+    if recipe.backward not in ("fp8", "int4split"):
+        raise ValueError(f"backward must be 'fp8' or 'int4split', got {recipe.backward!r}")
+    if recipe.hadamard_block is not None and recipe.hadamard_block & (recipe.hadamard_block - 1):
+        raise ValueError(f"hadamard_block must be a power of two, got {recipe.hadamard_block}")
+    return recipe

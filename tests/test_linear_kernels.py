@@ -1,0 +1,65 @@
+"""The fused operand quantizer (Triton) against the pure-torch reference, on CPU with TRITON_INTERPRET=1."""
+import importlib
+import os
+
+import pytest
+import torch
+
+_env = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is decorated: set before importing the module
+import lpoptim.kernels.linear_quant as lq  # noqa: E402
+
+lq = importlib.reload(lq)  # in case an earlier test imported it without the interpreter
+if _env is None:
+    del os.environ["TRITON_INTERPRET"]
+
+from lpoptim.nn.operands import quantize_operand_ref  # noqa: E402
+
+FORMATS = ["e4m3", "e5m2", "e2m1", "int4_sym"]
+
+
+def _x(r, c, transposed, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((c, r) if transposed else (r, c), generator=g) * 3
+    x = x.t() if transposed else x
+    x[1, 2] = 150.0  # an outlier sets one row's scale
+    x[4] = 0.0  # an all-zero row gets scale 1
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("gran,had", [("row", None), ("tensor", None), ("row", 32)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_kernel_matches_reference_bitwise(fmt, gran, had, transposed):
+    x = _x(37, 70, transposed)
+    cols = 96  # padded: a multiple of 16 and of the Hadamard block
+    v, s = lq.quantize_rows(x, fmt, gran, had, cols)
+    ref = quantize_operand_ref(x, fmt, gran, had, cols)
+    assert v.dtype == ref.values.dtype and v.shape == (37, 96) and v.is_contiguous()
+    assert torch.equal(v.float(), ref.values.float())
+    assert torch.equal(s, ref.scale)
+    assert (v.float()[:, 70:] == 0).all() or had  # padding quantizes to zero (mixed in by the Hadamard)
+
+
+@pytest.mark.parametrize("had", [None, 64])
+def test_kernel_bf16_input(had):
+    x = _x(20, 128, True, torch.bfloat16, seed=1)
+    v, s = lq.quantize_rows(x, "int4_sym", "row", had, 128)
+    ref = quantize_operand_ref(x, "int4_sym", "row", had, 128)
+    assert torch.equal(v.float(), ref.values.float()) and torch.equal(s, ref.scale)
+
+
+def test_kernel_ignores_nonfinite_in_scale():
+    x = _x(16, 32, False)
+    x[0, 0], x[2, 3] = float("inf"), float("nan")
+    v, s = lq.quantize_rows(x, "e4m3", "row", None, 32)
+    ref = quantize_operand_ref(x, "e4m3", "row", None, 32)
+    assert torch.equal(s, ref.scale)
+    assert torch.isfinite(s).all()
+    assert v.float()[0, 0] == 448.0  # inf saturates
+    assert torch.equal(v.float()[3:], ref.values.float()[3:])
+
+
+def test_kernel_rejects_bad_padding():
+    with pytest.raises(ValueError, match="Hadamard block"):
+        lq.quantize_rows(_x(8, 40, False), "int4_sym", "row", 32, 48)
