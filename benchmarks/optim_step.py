@@ -75,11 +75,11 @@ def state_bytes_of(opt) -> int:
     total = 0
     for st in opt.state.values():
         for v in st.values():
-            if torch.is_tensor(v) and v.dim() > 0:
-                total += v.numel() * v.element_size()
-            elif hasattr(v, "__tensor_flatten__"):  # torchao subclass tensors
+            if hasattr(v, "__tensor_flatten__"):  # torchao's quantized states are tensor subclasses
                 names, _ = v.__tensor_flatten__()
                 total += sum(getattr(v, n).numel() * getattr(v, n).element_size() for n in names)
+            elif torch.is_tensor(v) and v.dim() > 0:
+                total += v.numel() * v.element_size()
     return total
 
 

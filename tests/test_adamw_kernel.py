@@ -61,7 +61,8 @@ def test_kernel_matches_reference_interpreter(dtype):
 
 @pytest.mark.parametrize("opts", [dict(amsgrad=True), dict(maximize=True), dict(lr=torch.tensor(3e-3)),
                                   dict(layout=StateLayout(True, "e4m3", "e5m2", 64, False, False)),
-                                  dict(layout=StateLayout(True, group_size=32, sqrt_v=False))])
+                                  dict(layout=StateLayout(True, group_size=32, sqrt_v=False)),
+                                  dict(layout=StateLayout(False), amsgrad=True)])
 def test_kernel_options_interpreter(opts):
     _compare(*_run("cpu", torch.float32, steps=2, **opts))
 

@@ -19,7 +19,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .grid import fp8_bits, fp8_value, grid_magnitude, store_as, with_sign_of
+    from .grid import div, fp8_bits, fp8_value, grid_magnitude, sqrt, store_as, with_sign_of
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - triton is a dependency, but keep the reference usable without it
     HAVE_TRITON = False
@@ -37,7 +37,7 @@ def supports(param: torch.Tensor, grad: torch.Tensor, layout) -> bool:
     """Whether the kernel can step this tensor (else the reference does). lpoptim.AdamW also asks for CUDA;
     under TRITON_INTERPRET=1 the tests run the kernel on CPU tensors."""
     g = layout.group_size
-    return (HAVE_TRITON and layout.quantized and g >= 16 and g & (g - 1) == 0
+    return (HAVE_TRITON and g >= 16 and g & (g - 1) == 0
             and param.is_contiguous() and grad.is_contiguous() and grad.dtype == param.dtype
             and param.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
@@ -46,27 +46,34 @@ if HAVE_TRITON:
     _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
     @triton.jit
-    def _decode(codes_ptr, scale_ptr, offs, gidx, mask, gmask, IS_E4M3: tl.constexpr, INV_MAX: tl.constexpr):
+    def _decode(codes_ptr, scale_ptr, offs, gidx, mask, gmask, IS_E4M3: tl.constexpr, INV_MAX: tl.constexpr,
+                QUANT: tl.constexpr, EXACT: tl.constexpr):
+        if not QUANT:  # small tensors keep plain fp32 moments
+            return tl.load(codes_ptr.to(tl.pointer_type(tl.float32)) + offs, mask=mask, other=0.0)
         q = fp8_value(tl.load(codes_ptr + offs, mask=mask, other=0), IS_E4M3)
         c = tl.load(scale_ptr + gidx, mask=gmask, other=0.0)
         log2k = c.to(tl.int32, bitcast=True) & 3
         t = tl.abs(q) * INV_MAX
         lk = log2k[:, None]
-        t = tl.where(lk > 0, tl.sqrt_rn(t), t)
-        t = tl.where(lk > 1, tl.sqrt_rn(t), t)
-        t = tl.where(lk > 2, tl.sqrt_rn(t), t)
+        t = tl.where(lk > 0, sqrt(t, EXACT), t)
+        t = tl.where(lk > 1, sqrt(t, EXACT), t)
+        t = tl.where(lk > 2, sqrt(t, EXACT), t)
         return with_sign_of(t * c[:, None], q)
 
     @triton.jit
     def _encode(x, codes_ptr, scale_ptr, offs, gidx, mask, gmask, EXPANSION: tl.constexpr, IS_E4M3: tl.constexpr,
-                MAN_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FMAX: tl.constexpr, FMIN_NORMAL: tl.constexpr):
+                MAN_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FMAX: tl.constexpr, FMIN_NORMAL: tl.constexpr,
+                QUANT: tl.constexpr, EXACT: tl.constexpr):
+        if not QUANT:
+            tl.store(codes_ptr.to(tl.pointer_type(tl.float32)) + offs, x, mask=mask)
+            return
         a = tl.abs(x)
         finite = (x == x) & (a != float("inf")) & mask
         amax = tl.max(tl.where(finite, a, 0.0), axis=1)
         amin = tl.min(tl.where(finite & (a > 0), a, float("inf")), axis=1)
         log2k = tl.zeros_like(amax).to(tl.int32)
         if EXPANSION:
-            ratio = tl.where((amax > 0) & (amin != float("inf")), tl.div_rn(amin, tl.where(amax > 0, amax, 1.0)), 0.0)
+            ratio = tl.where((amax > 0) & (amin != float("inf")), div(amin, tl.where(amax > 0, amax, 1.0), EXACT), 0.0)
             t = ratio * ratio
             log2k = tl.where(t * FMAX >= FMIN_NORMAL, 1, log2k)
             t = t * t
@@ -77,7 +84,7 @@ if HAVE_TRITON:
         c = tl.where(amax > 0, c, 0.0)
         tl.store(scale_ptr + gidx, c, mask=gmask)
         safe_c = tl.where(c > 0, c, 1.0)
-        t = tl.minimum(tl.div_rn(a, safe_c[:, None]), 1.0)
+        t = tl.minimum(div(a, safe_c[:, None], EXACT), 1.0)
         lk = log2k[:, None]
         t = tl.where(lk > 0, t * t, t)
         t = tl.where(lk > 1, t * t, t)
@@ -96,8 +103,8 @@ if HAVE_TRITON:
         M_INV: tl.constexpr,
         V_E4M3: tl.constexpr, V_MAN: tl.constexpr, V_MINEXP: tl.constexpr, V_MAX: tl.constexpr, V_MINN: tl.constexpr,
         V_INV: tl.constexpr,
-        EXPANSION: tl.constexpr, SQRT_V: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
-        DECAY_IS_PTR: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
+        QUANT: tl.constexpr, EXPANSION: tl.constexpr, SQRT_V: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+        DECAY_IS_PTR: tl.constexpr, EXACT: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
     ):
         pid = tl.program_id(0)
         if HAS_FOUND_INF:
@@ -126,7 +133,7 @@ if HAVE_TRITON:
         p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_GRAD_SCALE:
-            g = tl.div_rn(g, tl.load(grad_scale_ptr))
+            g = div(g, tl.load(grad_scale_ptr), EXACT)
         if MAXIMIZE:
             g = -g
         if DECAY_IS_PTR:  # 1 - lr * weight_decay, computed on the device for a Tensor lr
@@ -134,9 +141,9 @@ if HAVE_TRITON:
         step_size = tl.load(step_size_ptr + tensor)  # lr / (1 - beta1^t), computed on the device
         bc2_sqrt = tl.load(bc2_sqrt_ptr + tensor)
 
-        m = _decode(m_ptr, ms_ptr, offs, gidx, mask, gmask, M_E4M3, M_INV)
-        v = _decode(v_ptr, vs_ptr, offs, gidx, mask, gmask, V_E4M3, V_INV)
-        if SQRT_V:
+        m = _decode(m_ptr, ms_ptr, offs, gidx, mask, gmask, M_E4M3, M_INV, QUANT, EXACT)
+        v = _decode(v_ptr, vs_ptr, offs, gidx, mask, gmask, V_E4M3, V_INV, QUANT, EXACT)
+        if SQRT_V and QUANT:
             v = v * v
         m = m + one_minus_beta1 * (g - m)  # torch's lerp for weights below 0.5
         v = v * beta2 + one_minus_beta2 * g * g
@@ -144,22 +151,22 @@ if HAVE_TRITON:
         if AMSGRAD:
             vm_ptr = tl.load(row_ptrs + 6).to(tl.pointer_type(tl.uint8))
             vms_ptr = tl.load(row_ptrs + 7).to(tl.pointer_type(tl.float32))
-            v_max = _decode(vm_ptr, vms_ptr, offs, gidx, mask, gmask, V_E4M3, V_INV)
-            if SQRT_V:
+            v_max = _decode(vm_ptr, vms_ptr, offs, gidx, mask, gmask, V_E4M3, V_INV, QUANT, EXACT)
+            if SQRT_V and QUANT:
                 v_max = v_max * v_max
             v_used = tl.maximum(v_max, v)
-        denom = tl.div_rn(tl.sqrt_rn(v_used), bc2_sqrt) + eps
-        p = p * decay - step_size * tl.div_rn(m, denom)
+        denom = div(sqrt(v_used, EXACT), bc2_sqrt, EXACT) + eps
+        p = p * decay - step_size * div(m, denom, EXACT)
         store_as(p_ptr + offs, p, mask, PARAM_DTYPE)
 
-        _encode(m, m_ptr, ms_ptr, offs, gidx, mask, gmask, EXPANSION, M_E4M3, M_MAN, M_MINEXP, M_MAX, M_MINN)
-        if SQRT_V:
-            v = tl.sqrt_rn(v)
-        _encode(v, v_ptr, vs_ptr, offs, gidx, mask, gmask, EXPANSION, V_E4M3, V_MAN, V_MINEXP, V_MAX, V_MINN)
+        _encode(m, m_ptr, ms_ptr, offs, gidx, mask, gmask, EXPANSION, M_E4M3, M_MAN, M_MINEXP, M_MAX, M_MINN, QUANT, EXACT)
+        if SQRT_V and QUANT:
+            v = sqrt(v, EXACT)
+        _encode(v, v_ptr, vs_ptr, offs, gidx, mask, gmask, EXPANSION, V_E4M3, V_MAN, V_MINEXP, V_MAX, V_MINN, QUANT, EXACT)
         if AMSGRAD:
-            if SQRT_V:
-                v_used = tl.sqrt_rn(v_used)
-            _encode(v_used, vm_ptr, vms_ptr, offs, gidx, mask, gmask, EXPANSION, V_E4M3, V_MAN, V_MINEXP, V_MAX, V_MINN)
+            if SQRT_V and QUANT:
+                v_used = sqrt(v_used, EXACT)
+            _encode(v_used, vm_ptr, vms_ptr, offs, gidx, mask, gmask, EXPANSION, V_E4M3, V_MAN, V_MINEXP, V_MAX, V_MINN, QUANT, EXACT)
 
     N_PTRS_C = tl.constexpr(N_PTRS)
 
@@ -176,8 +183,13 @@ class _Plan:
 _plans: dict = {}
 
 
+# Launch settings, measured on an H200 with benchmarks/optim_kernel.py. ``exact`` selects IEEE division and
+# square root (what torch computes) over the faster approximate ones.
+TUNING = dict(block_elems=2048, num_warps=8, exact=True)
+
+
 def _block_groups(group_size: int) -> int:
-    return max(1, 2048 // group_size)
+    return max(1, TUNING["block_elems"] // group_size)
 
 
 def _tables(batch, layout, block_g: int):
@@ -197,12 +209,10 @@ def _tables(batch, layout, block_g: int):
         plan.n_blocks = len(blocks)
     addrs = []
     for p, g, s, _l in batch:
-        row = [p.data_ptr(), g.data_ptr(), s["exp_avg"].data_ptr(), s["exp_avg_scale"].data_ptr(),
-               s["exp_avg_sq"].data_ptr(), s["exp_avg_sq_scale"].data_ptr()]
-        if "max_exp_avg_sq" in s:
-            row += [s["max_exp_avg_sq"].data_ptr(), s["max_exp_avg_sq_scale"].data_ptr()]
-        else:
-            row += [0, 0]
+        row = [p.data_ptr(), g.data_ptr()]
+        for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            row += [s[name].data_ptr() if name in s else 0,
+                    s[name + "_scale"].data_ptr() if name + "_scale" in s else 0]
         addrs.append(row)
     addr_key = tuple(map(tuple, addrs))
     if addr_key != plan.addr_key:
@@ -251,7 +261,7 @@ def _launch(items, dev, dtype, layout, *, lr, beta1, beta2, eps, weight_decay, a
         0.0 if lr_is_tensor else decay, 1 - beta1, beta2, 1 - beta2, eps,
         PARAM_DTYPE=_TL_DTYPES[dtype], G=layout.group_size, BLOCK_G=block_g,
         **_format_args(layout.exp_avg_format, "M"), **_format_args(layout.exp_avg_sq_format, "V"),
-        EXPANSION=layout.expansion, SQRT_V=layout.sqrt_v, AMSGRAD=amsgrad, MAXIMIZE=maximize,
-        DECAY_IS_PTR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-        num_warps=8,
+        QUANT=layout.quantized, EXPANSION=layout.expansion, SQRT_V=layout.sqrt_v, AMSGRAD=amsgrad, MAXIMIZE=maximize,
+        DECAY_IS_PTR=lr_is_tensor, EXACT=TUNING["exact"], HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
+        num_warps=TUNING["num_warps"], enable_fp_fusion=False,  # no fused multiply-adds: round as the reference does
     )

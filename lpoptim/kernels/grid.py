@@ -8,7 +8,7 @@ round and NaN codes are written as integers.
 import triton
 import triton.language as tl
 
-RNE_MAGIC = 12582912.0  # 1.5 * 2**23: adding and subtracting it rounds |y| < 2**22 to an integer, ties to even
+RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: adding and subtracting it rounds |y| < 2**22 to an integer, ties to even
 
 
 @triton.jit
@@ -23,7 +23,8 @@ def grid_magnitude(a, MAN_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FMAX: tl.co
     exponent = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     exponent = tl.maximum(exponent, MIN_EXP) - MAN_BITS
     spacing = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
-    r = round_half_even(a / spacing)  # division by a power of two: exact
+    inv_spacing = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
+    r = round_half_even(a * inv_spacing)  # scaling by powers of two: exact
     return tl.minimum(r * spacing, FMAX)
 
 
@@ -70,3 +71,20 @@ def store_as(ptr, x, mask, DTYPE: tl.constexpr):
         tl.store(ptr, to_bf16_rne(x), mask=mask)
     else:
         tl.store(ptr, x.to(DTYPE), mask=mask)
+
+
+@triton.jit
+def div(a, b, EXACT: tl.constexpr):
+    """a / b: IEEE round-to-nearest when EXACT (as torch computes), else the fast approximate division."""
+    if EXACT:
+        return tl.div_rn(a, b)
+    else:
+        return a / b
+
+
+@triton.jit
+def sqrt(x, EXACT: tl.constexpr):
+    if EXACT:
+        return tl.sqrt_rn(x)
+    else:
+        return tl.sqrt(x)

@@ -1,0 +1,179 @@
+"""Triton kernels that pack saved activations into FP8 E4M3 codes with fp32 scales, and unpack them.
+
+They compute exactly what ``lpoptim.quant.quantize(x, E4M3, granularity)`` followed by ``.to(fp8)`` computes,
+bit for bit, in one read of the input and one write of the codes (plus the scales):
+
+- scale = max finite |x| over the group (row, tensor) / 448, or 1 where that max is 0 (``quant.absmax_scale``);
+- y = x / scale, correctly rounded (``tl.div_rn``: Triton's plain ``/`` on fp32 is an approximate division);
+- y rounded onto the E4M3 grid in fp32 with ``formats.round_to_grid``'s arithmetic (spacing from the exponent
+  bits, round half to even, saturate at 448), and only then cast to fp8, where the cast is exact. The Triton
+  interpreter's own float->fp8 cast rounds wrongly when it carries into the next binade; this way interpreter
+  and GPU agree.
+
+Unpacking multiplies the fp32 value of the code by its fp32 scale and casts to the output dtype (round to
+nearest even), as ``Quantized.dequantize().to(dtype)`` does.
+
+Layout: the input is seen as R rows of N (its last dimension). Codes are uint8 (the fp8 bit patterns), same
+shape as the input. Scales are fp32: (R, ceil(N/G)) for groups of G, (R,) for rows, (1,) for the tensor.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+E4M3_MAX = 448.0
+_RNE_MAGIC = 8388608.0  # 2**23: for 0 <= y < 2**22, (y + 2**23) - 2**23 rounds y to the nearest integer, ties even
+
+
+@triton.jit
+def _round_e4m3(y):
+    """fp32 -> fp32 on the E4M3 grid, as formats.round_to_grid(y, E4M3) (NaN stays NaN, +-inf saturates)."""
+    a = tl.minimum(tl.abs(y), 2 * 448.0)  # keeps inf out of the arithmetic
+    bits = a.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
+    e = tl.maximum(e, -6) - 3  # E4M3: smallest normal exponent -6, 3 mantissa bits
+    spacing = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    r = tl.div_rn(a, spacing)  # exact: a power of two
+    r = (r + _RNE_MAGIC) - _RNE_MAGIC
+    q = tl.minimum(r * spacing, 448.0)
+    q = tl.where(y < 0, -q, q)
+    q = tl.where((y == 0) & ((y.to(tl.int32, bitcast=True) >> 31) != 0), -0.0, q)  # keep -0 as -0 (copysign)
+    return tl.where(y != y, y, q)
+
+
+@triton.jit
+def _to_code(q):
+    """Grid value -> uint8 fp8 bit pattern. NaN is written as 0x7F/0xFF (torch's choice) by hand: the
+    interpreter's cast gets NaN wrong too."""
+    code = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    nan_code = tl.where((q.to(tl.int32, bitcast=True) >> 31) != 0, 0xFF, 0x7F).to(tl.uint8)
+    return tl.where(q != q, nan_code, code)
+
+
+@triton.jit
+def _scale_of(amax):
+    return tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
+
+
+@triton.jit
+def _finite_abs(x):
+    a = tl.abs(x)
+    return tl.where(a < float("inf"), a, 0.0)  # NaN and inf compare false: left out of the max
+
+
+@triton.jit
+def _quant_groups_kernel(x_ptr, codes_ptr, scale_ptr, total_groups, N, NG,
+                         G: tl.constexpr, GP: tl.constexpr, BLOCK_G: tl.constexpr):
+    # One program quantizes BLOCK_G groups; group id -> (row, group in row) -> columns. GP: G rounded up to 2^k.
+    gid = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
+    row = gid // NG
+    col = (gid % NG) * G
+    k = tl.arange(0, GP)
+    cols = col[:, None] + k[None, :]
+    mask = (gid[:, None] < total_groups) & (cols < N) & (k[None, :] < G)
+    offs = row[:, None].to(tl.int64) * N + cols
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(_finite_abs(x), axis=1)
+    scale = _scale_of(amax)
+    q = _round_e4m3(tl.div_rn(x, scale[:, None]))
+    tl.store(codes_ptr + offs, _to_code(q), mask=mask)
+    tl.store(scale_ptr + gid, scale, mask=gid < total_groups)
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, codes_ptr, scale_ptr, N, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per row: a pass for the row's max (skipped when a tensor-wide scale is given), then a pass
+    # that quantizes; the second read of a row (a few KiB) comes from cache.
+    row = tl.program_id(0).to(tl.int64)
+    base = row * N
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, N, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + base + cols, mask=cols < N, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, _finite_abs(x))
+        scale = _scale_of(tl.max(amax, axis=0))
+        tl.store(scale_ptr + row, scale)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + base + cols, mask=cols < N, other=0.0).to(tl.float32)
+        q = _round_e4m3(tl.div_rn(x, scale))
+        tl.store(codes_ptr + base + cols, _to_code(q), mask=cols < N)
+
+
+@triton.jit
+def _dequant_kernel(codes_ptr, scale_ptr, out_ptr, numel, N, NG,
+                    G: tl.constexpr, MODE: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    # MODE 0: groups of G along rows of N (NG groups a row); 1: one scale a row; 2: one scale.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    c = tl.load(codes_ptr + offs, mask=mask, other=0)
+    v = c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    v = tl.where((c & 0x7F) == 0x7F, float("nan"), v)  # NaN codes decoded by hand (the interpreter errs)
+    if MODE == 0:
+        s_idx = (offs // N) * NG + (offs % N) // G
+    elif MODE == 1:
+        s_idx = offs // N
+    else:
+        s_idx = offs * 0
+    s = tl.load(scale_ptr + s_idx, mask=mask, other=1.0)
+    y = v * s
+    if OUT_BF16:
+        # Round to bf16 by hand (nearest, ties even) so that the cast below is exact: the interpreter's
+        # fp32->bf16 cast truncates. On the GPU this is the same rounding the cast would do.
+        bits = y.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        y = tl.where(y != y, y, bits.to(tl.float32, bitcast=True))
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int]:
+    n = x.shape[-1] if x.dim() else 1
+    return (x.numel() // n if n else 0), n
+
+
+def quantize_groups(x: torch.Tensor, group_size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (contiguous, fp32/bf16/fp16) -> (uint8 codes of x's shape, fp32 scales (R, ceil(N/G)))."""
+    assert x.is_contiguous()
+    r, n = _rows(x)
+    ng = -(-n // group_size)
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    scales = torch.empty((r, ng), dtype=torch.float32, device=x.device)
+    total = r * ng
+    if total:
+        gp = triton.next_power_of_2(group_size)
+        block_g = max(1, 1024 // gp)
+        _quant_groups_kernel[(triton.cdiv(total, block_g),)](x, codes, scales, total, n, ng,
+                                                             G=group_size, GP=gp, BLOCK_G=block_g)
+    return codes, scales
+
+
+def quantize_rows(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (contiguous) -> (uint8 codes, fp32 scales (R,)); with ``scale`` (one fp32 element) use it for all rows."""
+    assert x.is_contiguous()
+    r, n = _rows(x)
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    scales = scale.reshape(1).float() if scale is not None else torch.empty(r, dtype=torch.float32, device=x.device)
+    if r and n:
+        block = min(triton.next_power_of_2(n), 2048)
+        _quant_rows_kernel[(r,)](x, codes, scales, n, HAS_SCALE=scale is not None, BLOCK=block)
+    return codes, scales
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, granularity: str, group_size: int = 16,
+               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """uint8 codes + fp32 scales -> a tensor of ``dtype`` and the codes' shape."""
+    assert codes.is_contiguous() and scales.is_contiguous()
+    _, n = _rows(codes)
+    out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
+    numel = codes.numel()
+    if numel:
+        mode = {"group": 0, "row": 1, "tensor": 2}[granularity]
+        block = 1024
+        _dequant_kernel[(triton.cdiv(numel, block),)](codes, scales, out, numel, n, -(-n // group_size),
+                                                      G=group_size, MODE=mode,
+                                                      OUT_BF16=dtype == torch.bfloat16, BLOCK=block)
+    return out

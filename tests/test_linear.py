@@ -1,0 +1,275 @@
+"""Low-bit linear layers on CPU: exact emulated GEMMs, the pieces of each recipe, gradient error bounds per
+recipe against an fp32 nn.Linear, the module and convert_linears."""
+import pytest
+import torch
+import torch.nn as nn
+
+from lpoptim.formats import E2M1, E4M3, round_to_grid
+from lpoptim.nn import LowBitLinear, convert_linears, converted, get_recipe, lowbit_linear
+from lpoptim.nn.fp4 import dge_derivative, occ_split, occ_threshold
+from lpoptim.nn.functional import Fp4LinearFunction
+from lpoptim.nn.hadamard import block_hadamard, hadamard_pm1, pick_block
+from lpoptim.nn.operands import (Operand, gemm, int8_split_operand, pow2_block_operand, quantize_operand,
+                                 split_int8)
+from lpoptim.train.gpt import GPT, GPTConfig
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+# ---- exact 4-bit GEMMs -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["e2m1", "int4_sym"])
+def test_4bit_gemm_equals_float64_gemm(fmt):
+    g = torch.Generator().manual_seed(0)
+    a = quantize_operand(torch.randn(33, 4096, generator=g), fmt)
+    b = quantize_operand(torch.randn(48, 4096, generator=g), fmt)
+    # unit scales: the fp32 accumulation of 4-bit products (multiples of 1/4) is exact
+    a1, b1 = Operand(a.values, torch.ones_like(a.scale)), Operand(b.values, torch.ones_like(b.scale))
+    exact = a.values.double() @ b.values.double().t()
+    assert torch.equal(gemm(a1, b1).double(), exact)
+    # with scales: equal to float64 up to the two fp32 roundings of the scale multiplications
+    ref = (a.values.double() * a.scale.double()) @ (b.values.double() * b.scale.double()).t()
+    assert torch.allclose(gemm(a, b).double(), ref, rtol=3e-7, atol=0)
+    # the same operands through torch._scaled_mm (it runs on the CPU in torch >= 2.13): the GPU code path
+    if hasattr(torch, "_scaled_mm"):
+        try:
+            out = torch._scaled_mm(a1.values, b1.values.t(), scale_a=torch.tensor(1.0), scale_b=torch.tensor(1.0),
+                                   out_dtype=torch.float32, use_fast_accum=False)
+        except (RuntimeError, NotImplementedError):
+            pytest.skip("torch._scaled_mm does not run on this CPU build")
+        assert torch.equal(out.double(), exact)
+
+
+def test_4bit_values_are_exact_in_e4m3():
+    for v in list(E2M1.grid()) + list(range(-8, 8)):
+        assert torch.tensor(float(v)).to(torch.float8_e4m3fn).float().item() == v
+
+
+def test_pow2_block_operand_folds_exactly():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 128, generator=g) * torch.logspace(-1, 1, 4).repeat_interleave(32)  # blocks at 4 scales
+    op = pow2_block_operand(x, 32)
+    # independently: per block, a power-of-two scale with |x|/s <= 6 and the E2M1 rounding of x/s
+    blocks = x.reshape(8, 4, 32)
+    s = 2.0 ** torch.ceil(torch.log2(blocks.abs().amax(-1) / 6))
+    expect = (round_to_grid(blocks / s[..., None], E2M1) * s[..., None]).reshape(8, 128)
+    assert torch.equal(op.dequantize(), expect)
+    assert (op.scale == 2.0 ** torch.round(torch.log2(op.scale))).all()  # the row scale is a power of two
+    assert torch.equal(op.values.float(), round_to_grid(op.values.float(), E4M3))
+    # a block ~2^11 below the row's largest falls into E4M3's subnormals: it keeps only what E4M3 holds there
+    x[:, :32] *= 2.0 ** -4
+    small = pow2_block_operand(x, 32).dequantize()[:, :32]
+    assert rel(small, x[:, :32]) > 0.3 and small.abs().max() > 0
+
+
+def test_int8_split_is_exact():
+    g = torch.Generator().manual_seed(2)
+    hi, lo = int8_split_operand(torch.randn(16, 64, generator=g), None)
+    assert hi.values.float().abs().max() <= 7 and lo.values.float().min() >= -8 and lo.values.float().max() <= 7
+    q = hi.values.float() * 16 + lo.values.float()
+    assert q.abs().max() == 119 and torch.equal(q, q.round())
+    b = quantize_operand(torch.randn(32, 64, generator=g), "int4_sym")
+    full = (q.double() * lo.scale.double()) @ (b.values.double() * b.scale.double()).t()
+    assert torch.allclose((gemm(hi, b) + gemm(lo, b)).double(), full, rtol=1e-6, atol=1e-5)
+    assert split_int8(Operand(torch.tensor([[-119.0, -9.0, 8.0, 119.0]]), torch.ones(1, 1)))[1].values.float().abs().max() <= 8
+
+
+# ---- Hadamard, DGE, OCC ------------------------------------------------------------------------------------
+
+
+def test_block_hadamard_is_orthogonal_and_cancels_in_gemm():
+    h = hadamard_pm1(64)
+    assert torch.equal(h @ h.t(), 64 * torch.eye(64))
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(5, 256, generator=g), torch.randn(7, 256, generator=g)
+    assert torch.allclose(block_hadamard(block_hadamard(x, 64), 64), x, atol=1e-5)
+    assert torch.allclose(block_hadamard(x, 64) @ block_hadamard(w, 64).t(), x @ w.t(), atol=1e-4)
+    assert pick_block(96, 128) == 32 and pick_block(11008, 128) == 128 and pick_block(64, 128) == 64
+    with pytest.raises(ValueError):
+        pick_block(40, 128)
+
+
+def test_hadamard_spreads_outliers_for_int4():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 256, generator=g)
+    x[:, 3] *= 50
+    plain = quantize_operand(x, "int4_sym").dequantize()
+    had = block_hadamard(quantize_operand(x, "int4_sym", hadamard_block=128).dequantize(), 128)
+    assert rel(had, x) < 0.5 * rel(plain, x)
+
+
+def test_dge_derivative():
+    k, cap = 5.0, 3.0
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, -6.0])
+    assert torch.allclose(dge_derivative(grid, k, cap), torch.full((8,), 1 / k))  # flat at grid points
+    mids = torch.tensor([0.25, 1.25, 2.5, 3.5, 5.0, -0.75])
+    assert torch.equal(dge_derivative(mids, k, cap), torch.full((6,), cap))  # steepest at thresholds, capped
+
+    # against a finite difference of f(u) = δ/2 (1 + sign(2u/δ-1)|2u/δ-1|^(1/k)) between 2 and 3 (δ = 1)
+    def f(v):
+        t = 2 * (v - 2.0) - 1
+        return 0.5 * (1 + torch.sign(t) * t.abs() ** (1 / k))
+
+    v = torch.tensor([2.05, 2.2, 2.4, 2.7, 2.93], dtype=torch.float64)
+    fd = (f(v + 1e-6) - f(v - 1e-6)) / 2e-6
+    assert torch.allclose(dge_derivative(v, k, cap).double(), fd.clamp(max=cap), rtol=1e-4)
+    # mean over a step: 1 uncapped; the cap removes 1 - c^(1/k) + cap·c with c = (k·cap)^(-k/(k-1)) (0.59 here)
+    c = (k * cap) ** (-k / (k - 1))
+    u = torch.linspace(0, 6, 600001)[:-1]
+    assert abs(dge_derivative(u, k, cap).mean().item() - (1 - c ** (1 / k) + cap * c)) < 2e-3
+
+
+def test_occ_clamps_the_top_quantile():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(100, 100, generator=g)
+    xc, r = occ_split(x, 0.99)
+    assert torch.equal(xc + r, x)
+    assert 90 <= (r != 0).sum().item() <= 110  # ~1% are outliers
+    assert xc.abs().max() == occ_threshold(x, 0.99)
+    # a strided sample gives nearly the same threshold
+    assert abs(occ_threshold(x, 0.99, max_samples=2500) - occ_threshold(x, 0.99)) < 0.15
+
+
+def test_fp4_forward_is_clamped_gemm_plus_residual():
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(32, 64, generator=g), torch.randn(48, 64, generator=g) * 0.1
+    x[0, 0] = 40.0
+    y = lowbit_linear(x, w, None, get_recipe("fp4"))
+    xc, r = occ_split(x, 0.99)
+    expect = gemm(quantize_operand(xc, "e2m1"), quantize_operand(w, "e2m1")) + r @ w.t()
+    assert torch.allclose(y, expect, atol=1e-5)
+
+
+# ---- gradients vs fp32 nn.Linear, per recipe --------------------------------------------------------------
+
+# Relative (Frobenius) error bounds on this case: fp32 input of 120 tokens × 128 with one outlier channel (×20),
+# W ~ N(0, 0.05²), 96 outputs. Measured (3 seeds): fp8 y .027-.031 dx .056 dW .052-.064; fp4 y .071 (.25 without
+# OCC); int4 y .14-.15 (.30-.33 without the Hadamard); int4_split dx/dW .11-.12. dx and dW are dominated by
+# E5M2's 2 mantissa bits. For fp4 the weight gradient is compared with the fp32 gradient times f'(W) (the DGE).
+BOUNDS = {  # recipe: (y, dx, dW)
+    "fp8": (0.045, 0.075, 0.085),
+    "fp8_tensor": (0.05, 0.08, 0.09),
+    "fp4": (0.10, 0.075, 0.09),
+    "fp4_block32": (0.10, 0.075, 0.09),
+    "int4": (0.20, 0.075, 0.085),
+    "int4_split": (0.20, 0.16, 0.16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDS))
+def test_gradients_vs_fp32_linear(name):
+    torch.manual_seed(0)
+    x = torch.randn(3, 40, 128)
+    x[..., 7] *= 20
+    ref = nn.Linear(128, 96)
+    nn.init.normal_(ref.weight, std=0.05)
+    gy = torch.randn(3, 40, 96)
+    xr = x.clone().requires_grad_()
+    ref(xr).backward(gy)
+    dx0, dw0, db0 = xr.grad, ref.weight.grad.clone(), ref.bias.grad.clone()
+    ref.weight.grad = ref.bias.grad = None
+
+    m = LowBitLinear.from_linear(ref, name)
+    xl = x.clone().requires_grad_()
+    y = m(xl)
+    y.backward(gy)
+    recipe = get_recipe(name)
+    if recipe.dge_k:
+        dw0 = dw0 * Fp4LinearFunction.weight_grad_factor(ref.weight.detach(), recipe)
+    by, bdx, bdw = BOUNDS[name]
+    assert rel(y, ref(x)) < by
+    assert rel(xl.grad, dx0) < bdx
+    assert rel(ref.weight.grad, dw0) < bdw
+    assert torch.allclose(ref.bias.grad, db0, rtol=1e-5, atol=1e-5)  # the bias gradient is exact
+    assert y.shape == (3, 40, 96) and y.dtype == torch.float32
+
+
+def test_fp4_dge_changes_weight_grad_only():
+    torch.manual_seed(1)
+    x, gy = torch.randn(64, 64), torch.randn(64, 32)
+    w = (torch.randn(32, 64) * 0.05).requires_grad_()
+    grads = {}
+    for k in (5.0, None):
+        w.grad = None
+        xx = x.clone().requires_grad_()
+        lowbit_linear(xx, w, None, get_recipe("fp4", dge_k=k)).backward(gy)
+        grads[k] = (w.grad.clone(), xx.grad.clone())
+    assert torch.equal(grads[5.0][1], grads[None][1])
+    factor = grads[5.0][0] / grads[None][0]
+    assert torch.allclose(factor, Fp4LinearFunction.weight_grad_factor(w.detach(), get_recipe("fp4")), rtol=1e-5)
+
+
+def test_tokens_not_multiple_of_16_and_no_bias():
+    m = LowBitLinear(32, 48, bias=False, recipe="int4_split")
+    x = torch.randn(7, 32, requires_grad=True)
+    y = m(x)
+    y.sum().backward()
+    assert x.grad.shape == (7, 32) and m.weight.grad.shape == (48, 32) and m.bias is None
+    assert rel(y, x.detach() @ m.weight.detach().t()) < 0.3
+
+
+def test_frozen_weight_and_no_input_grad():
+    m = LowBitLinear(32, 32, recipe="fp8")
+    m.weight.requires_grad_(False)
+    x = torch.randn(4, 32, requires_grad=True)
+    m(x).sum().backward()
+    assert m.weight.grad is None and x.grad is not None
+    m.weight.requires_grad_(True)
+    m(torch.randn(4, 32)).sum().backward()
+    assert m.weight.grad is not None
+
+
+# ---- the module and convert_linears ------------------------------------------------------------------------
+
+
+def test_module_is_a_linear_sharing_parameters():
+    lin = nn.Linear(64, 32)
+    sd = {k: v.clone() for k, v in lin.state_dict().items()}
+    m = LowBitLinear.from_linear(lin, "fp4")
+    assert isinstance(m, nn.Linear) and m.weight is lin.weight and m.bias is lin.bias
+    assert m.state_dict().keys() == sd.keys()
+    m.load_state_dict(sd)
+    assert "recipe=fp4" in repr(m)
+    with pytest.raises(ValueError, match="divisible by 16"):
+        LowBitLinear(40, 32)
+    with pytest.raises(ValueError, match="unknown recipe"):
+        LowBitLinear(32, 32, recipe="fp2")
+
+
+def test_autocast_output_dtype():
+    m = LowBitLinear(32, 32, recipe="fp8")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(torch.randn(4, 32))
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert m.weight.grad.dtype == torch.float32
+
+
+def test_convert_linears_on_gpt():
+    model = GPT(GPTConfig(vocab_size=65, n_embd=64, n_layer=2))
+    before = {n: p for n, p in model.named_parameters()}
+    convert_linears(model, "int4", hadamard_block=64)
+    conv = converted(model)
+    assert len(conv) == 8 and "lm_head" not in conv and all(v == "int4" for v in conv.values())
+    assert type(model.lm_head) is nn.Linear and model.wte.weight is model.lm_head.weight
+    assert model.layers[0].mlp.fc.recipe.hadamard_block == 64
+    assert dict(model.named_parameters()) == before  # same parameter objects
+    logits, loss = model(torch.randint(0, 65, (2, 16)), torch.randint(0, 65, (2, 16)))
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+    model = GPT(GPTConfig(vocab_size=65, n_embd=64, n_layer=2))
+    convert_linears(model, "fp8", filter_fn=lambda mod, fqn: "mlp" in fqn, skip=())
+    conv = converted(model)
+    assert set(conv) == {f"layers.{i}.mlp.{p}" for i in range(2) for p in ("fc", "proj")}
+
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 40), nn.Linear(40, 10))
+    with pytest.warns(UserWarning, match="not divisible by 16"):
+        convert_linears(model, "fp8")
+    assert list(converted(model)) == ["0"]
+    with pytest.warns(UserWarning):
+        convert_linears(model, "fp4")  # already converted layers are left alone
+    assert converted(model) == {"0": "fp8"}
