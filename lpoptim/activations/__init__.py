@@ -1,0 +1,21 @@
+"""FP8 precision flow for activations: keep what autograd saves inside decoder blocks in FP8.
+
+    handle = compress_activations(model.layers)              # saved tensors in FP8 (COAT's mixed granularity)
+    handle = compress_activations(model.layers, recompute=True)  # only block inputs, in FP8; recompute in backward
+    with handle.record() as stats: ...                       # what was saved, bytes by kind
+    handle.remove()                                          # or restore_activations(model.layers)
+
+See docs/activations.md.
+"""
+from .codec import PackedActivation, pack, packed_nbytes
+from .hooks import OpTracker, PackContext
+from .policy import ATTENTION_OPS, GEMM_OPS, ActivationPolicy
+from .recompute import fp8_checkpoint
+from .stats import SavedRecord, SavedStats, record_saved
+from .wrap import ActivationHandle, compress_activations, is_wrapped, restore_activations
+
+__all__ = [
+    "compress_activations", "restore_activations", "is_wrapped", "ActivationHandle", "ActivationPolicy",
+    "SavedStats", "SavedRecord", "record_saved", "PackedActivation", "pack", "packed_nbytes", "PackContext",
+    "OpTracker", "fp8_checkpoint", "GEMM_OPS", "ATTENTION_OPS",
+]

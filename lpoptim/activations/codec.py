@@ -1,0 +1,95 @@
+"""Packing one saved tensor into FP8 codes plus fp32 scales, and unpacking it.
+
+The numbers are ``lpoptim.quant.quantize``'s (absmax scaling, round to nearest even onto the E4M3 grid): on
+the CPU that function is called directly; on CUDA the fused Triton kernels in ``lpoptim/kernels/act_quant.py``
+compute the same bits in one pass. ``LPOPTIM_ACT_BACKEND=torch`` forces the reference everywhere.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import E4M3, FloatFormat
+from ..quant import Quantized, _finite_absmax, absmax_scale, quantize, rows_of
+
+COMPRESSIBLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class PackedActivation:
+    """A saved tensor held as FP8 codes (``codes``: the fp8 dtype, same shape) and fp32 scales."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor  # tensor: (1,); row: (R,); group: (R, ceil(N / group_size))
+    granularity: str
+    group_size: int
+    dtype: torch.dtype  # the original dtype, restored on unpack
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]  # the original strides, restored on unpack when they were not contiguous
+    fmt: FloatFormat = E4M3
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() * self.codes.element_size() + self.scale.numel() * self.scale.element_size()
+
+    def unpack(self) -> torch.Tensor:
+        if _use_triton(self.codes):
+            from ..kernels import act_quant
+
+            out = act_quant.dequantize(self.codes.view(torch.uint8), self.scale, self.granularity,
+                                       self.group_size, self.dtype)
+        else:
+            out = _as_quantized(self).dequantize().to(self.dtype)
+        if out.stride() != self.stride:
+            # Some backward formulas (attention kernels, views) expect the layout they saved.
+            out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=out.device).copy_(out)
+        return out
+
+
+def _as_quantized(p: PackedActivation) -> Quantized:
+    r, _ = rows_of(p.shape)
+    scale = p.scale.reshape(()) if p.granularity == "tensor" else p.scale
+    if p.granularity == "row":
+        scale = scale.reshape(*p.shape[:-1], 1)
+    return Quantized(p.codes, scale, p.fmt, p.granularity, p.group_size if p.granularity == "group" else None,
+                     tuple(p.shape))
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda and os.environ.get("LPOPTIM_ACT_BACKEND", "triton") != "torch"
+
+
+def packed_nbytes(t: torch.Tensor, granularity: str, group_size: int) -> int:
+    """Bytes a tensor would take packed (codes + scales), without packing it."""
+    r, n = rows_of(t.shape)
+    scales = {"tensor": 1, "row": r, "group": r * -(-n // group_size)}[granularity]
+    return t.numel() + 4 * scales
+
+
+def pack(t: torch.Tensor, granularity: str, group_size: int = 16, fmt: FloatFormat = E4M3) -> PackedActivation:
+    """Quantize ``t`` (fp32/bf16/fp16) to FP8 with absmax scales of the given granularity."""
+    if t.dtype not in COMPRESSIBLE_DTYPES:
+        raise TypeError(f"pack: expected one of {COMPRESSIBLE_DTYPES}, got {t.dtype}")
+    shape, stride = tuple(t.shape), tuple(t.stride())
+    x = t.detach()
+    if _use_triton(x) and fmt is E4M3:
+        from ..kernels import act_quant
+
+        x = x.contiguous()
+        if granularity == "group":
+            codes, scale = act_quant.quantize_groups(x, group_size)
+        elif granularity == "row":
+            codes, scale = act_quant.quantize_rows(x)
+        else:
+            scale = absmax_scale(_finite_absmax(x), fmt)  # max is exact in any dtype
+            codes, scale = act_quant.quantize_rows(x, scale)
+        codes = codes.view(fmt.dtype)
+    else:
+        q = quantize(x, fmt, granularity, group_size, to_dtype=True)
+        codes = q.values.contiguous()
+        r, _ = rows_of(shape)
+        scale = q.scale.reshape(1) if granularity == "tensor" else q.scale.reshape(r, -1) if granularity == "group" \
+            else q.scale.reshape(r)
+    return PackedActivation(codes, scale.contiguous(), granularity, group_size, t.dtype, shape, stride, fmt)

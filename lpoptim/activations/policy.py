@@ -1,0 +1,85 @@
+"""What to do with each tensor autograd saves inside a wrapped block: the policy and the op classification.
+
+Granularity follows COAT's mixed scheme. A saved tensor is classified by the torch function that saved it
+(tracked by ``OpTracker`` in hooks.py; the outermost torch-level call, e.g. ``linear``, ``layer_norm``, ``mul``):
+
+- ``gemm``: saved by a matmul-like op (``linear``, ``matmul``, ``bmm``, ...). Its backward is a GEMM, which is
+  insensitive to a coarse scale, so one scale per row (or per tensor) is enough and costs nothing.
+- ``attention``: saved by fused attention (``scaled_dot_product_attention``, ``multi_head_attention_forward``).
+  COAT keeps these in bf16; ``attention="keep"`` does that, ``"fp8"`` quantizes them per row like a GEMM input.
+- ``nonlinear``: everything else (norms, GELU/SiLU, products, ...): groups of 16 along the last dimension, because
+  the backward of a non-linear op multiplies element by element and one outlier must not flatten its whole row.
+  This is also the fallback when the saving op is unknown (e.g. the graph of a compiled block).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..formats import E4M3, FloatFormat, get_format
+
+# Names as torch reports them to a TorchFunctionMode (``func.__name__``), Tensor methods included.
+GEMM_OPS = frozenset({
+    "linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv",
+    "bilinear", "_scaled_mm",
+})
+ATTENTION_OPS = frozenset({
+    "scaled_dot_product_attention", "multi_head_attention_forward", "flex_attention",
+    "flash_attn_func", "flash_attn_varlen_func",
+})
+
+KINDS = ("gemm", "attention", "nonlinear")
+
+
+@dataclass(frozen=True)
+class ActivationPolicy:
+    """How a wrapped block stores what autograd saves.
+
+    fmt: the FP8 format of the codes (E4M3: forward tensors).
+    gemm_granularity: "row" (one fp32 scale per row of the last dimension, one pass) or "tensor" (one scale;
+        needs a reduction pass before quantizing).
+    group_size: group length along the last dimension for tensors that feed non-linear ops (COAT: 16).
+    attention: "keep" leaves attention's saved tensors as they are (COAT's choice), "fp8" compresses them.
+    min_numel: tensors with fewer elements are left alone (norm statistics, biases: not worth a launch).
+    recompute: save only the block's inputs (in FP8, groups of ``group_size``) and run the block again in
+        backward: an FP8 activation checkpoint.
+    unknown: granularity for tensors saved by an op the tracker cannot name ("group" or "row").
+    """
+
+    fmt: FloatFormat | str = E4M3
+    gemm_granularity: str = "row"
+    group_size: int = 16
+    attention: str = "keep"
+    min_numel: int = 4096
+    recompute: bool = False
+    unknown: str = "group"
+
+    def __post_init__(self):
+        fmt = get_format(self.fmt)
+        if not isinstance(fmt, FloatFormat) or fmt.dtype is None:
+            raise ValueError(f"activations need an fp8 format with a torch dtype, got {fmt.name}")
+        object.__setattr__(self, "fmt", fmt)
+        if self.gemm_granularity not in ("row", "tensor"):
+            raise ValueError(f"gemm_granularity must be 'row' or 'tensor', got {self.gemm_granularity!r}")
+        if self.attention not in ("keep", "fp8"):
+            raise ValueError(f"attention must be 'keep' or 'fp8', got {self.attention!r}")
+        if self.unknown not in ("group", "row"):
+            raise ValueError(f"unknown must be 'group' or 'row', got {self.unknown!r}")
+        if self.group_size < 1:
+            raise ValueError("group_size must be positive")
+
+    def kind_of(self, op: str | None) -> str:
+        if op in GEMM_OPS:
+            return "gemm"
+        if op in ATTENTION_OPS:
+            return "attention"
+        return "nonlinear"
+
+    def granularity_of(self, kind: str, op: str | None = None) -> str | None:
+        """The quantizer granularity for a tensor of this kind; None means keep it as it is."""
+        if kind == "gemm":
+            return self.gemm_granularity
+        if kind == "attention":
+            return None if self.attention == "keep" else "row"
+        if op is None:
+            return self.unknown
+        return "group"

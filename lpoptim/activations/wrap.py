@@ -1,0 +1,138 @@
+"""``compress_activations``: wrap decoder blocks so that what autograd saves in them is kept in FP8.
+
+Wrapping replaces the module's ``forward`` by an instance attribute that calls the original inside a
+``PackContext`` (hooks.py) or, with ``recompute=True``, through ``fp8_checkpoint`` (recompute.py). Nothing about
+the module's class, parameters, state_dict or hooks changes; ``remove()`` deletes the attribute again.
+
+torch.compile: the wrapper itself is never traced (``torch.compiler.disable(recursive=False)``): Dynamo runs it
+eagerly and compiles the block's original forward as a frame of its own, so both orders work:
+``torch.compile(wrapped_block)`` (or a compiled model containing wrapped blocks) and
+``compress_activations(torch.compile(block))``. Inside a compiled graph the tracker cannot see which op saves a
+tensor (the graph's saved tensors are saved together at its end), so those all get ``policy.unknown``
+granularity (groups of 16) and attention's are not told apart.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+
+from .hooks import PackContext
+from .policy import ActivationPolicy
+from .recompute import fp8_checkpoint
+from .stats import SavedStats
+
+_ATTR = "_lpoptim_activations"
+
+
+def _as_blocks(blocks) -> list[nn.Module]:
+    if isinstance(blocks, nn.Module) and not isinstance(blocks, nn.ModuleList):
+        return [blocks]
+    if isinstance(blocks, (nn.ModuleList, list, tuple)):
+        out = list(blocks)
+        if not all(isinstance(b, nn.Module) for b in out):
+            raise TypeError("compress_activations: every block must be an nn.Module")
+        return out
+    raise TypeError(f"compress_activations expects a module or a list of modules, got {type(blocks).__name__}")
+
+
+class ActivationHandle:
+    """What ``compress_activations`` returns: the wrapped blocks, their policy, statistics, and ``remove()``."""
+
+    def __init__(self, blocks: list[nn.Module], policy: ActivationPolicy):
+        self.blocks = blocks
+        self.policy = policy
+        self.stats: SavedStats | None = None  # set while ``record()`` is active
+
+    @contextlib.contextmanager
+    def record(self):
+        """Record every tensor the wrapped blocks save while the context is open::
+
+            with handle.record() as stats:
+                loss = model(x).sum()
+            print(stats.bytes_by_kind(), stats.table())
+        """
+        prev, self.stats = self.stats, SavedStats()
+        try:
+            yield self.stats
+        finally:
+            self.stats = prev
+
+    def remove(self):
+        for b in self.blocks:
+            _unwrap(b)
+        self.blocks = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+        return False
+
+
+def compress_activations(blocks: nn.Module | Iterable[nn.Module], policy: ActivationPolicy | None = None,
+                         **options) -> ActivationHandle:
+    """Keep what autograd saves inside each block in FP8 E4M3; return a handle (``.remove()``, ``.record()``).
+
+    ``blocks``: one module, or a list / ``nn.ModuleList`` of modules (e.g. ``model.layers``), each wrapped on
+    its own (a ModuleList is never called, so its elements are). ``options`` are ``ActivationPolicy`` fields:
+    ``recompute``, ``attention``, ``gemm_granularity``, ``group_size``, ``min_numel``, ``unknown``.
+    """
+    if policy is None:
+        policy = ActivationPolicy(**options)
+    elif options:
+        raise TypeError("pass either policy= or keyword options, not both")
+    mods = _as_blocks(blocks)
+    for b in mods:
+        if hasattr(b, _ATTR):
+            raise RuntimeError(f"{type(b).__name__} is already wrapped by compress_activations; remove() it first")
+    handle = ActivationHandle(mods, policy)
+    for b in mods:
+        _wrap(b, handle)
+    return handle
+
+
+def restore_activations(blocks_or_handle) -> None:
+    """Undo ``compress_activations`` on these blocks (or on every block of a handle)."""
+    if isinstance(blocks_or_handle, ActivationHandle):
+        blocks_or_handle.remove()
+        return
+    for b in _as_blocks(blocks_or_handle):
+        _unwrap(b)
+
+
+def _wrap(module: nn.Module, handle: ActivationHandle):
+    had_forward = "forward" in module.__dict__
+    original = module.forward  # bound method, or an instance attribute another wrapper put there
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            return original(*args, **kwargs)  # nothing is saved: nothing to do
+        if handle.policy.recompute:
+            return fp8_checkpoint(original, module, args, kwargs, handle.policy, handle.stats)
+        with PackContext(module, handle.policy, handle.stats):
+            return original(*args, **kwargs)
+
+    module.forward = torch.compiler.disable(forward, recursive=False)
+    setattr(module, _ATTR, (had_forward, original))
+
+
+def _unwrap(module: nn.Module):
+    state = module.__dict__.pop(_ATTR, None)
+    if state is None:
+        return
+    had_forward, original = state
+    if had_forward:
+        module.forward = original
+    else:
+        del module.forward
+
+
+def is_wrapped(module: nn.Module) -> bool:
+    """True if ``module`` is wrapped by ``compress_activations``."""
+    return _ATTR in module.__dict__
