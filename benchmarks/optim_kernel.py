@@ -46,18 +46,17 @@ def main():
             states = [init_state(p, layout, False) for p in params]
             batch = [(p, g, s, layout) for p, g, s in zip(params, grads, states)]
             floor = n * (3 * es + (2 * 2 if quant else 2 * 16)) / bw * 1e3
-            variants = [(2048, 8, True), (2048, 8, False), (1024, 4, True), (1024, 4, False), (4096, 8, True),
-                        (512, 4, True), (1024, 8, False)] if quant else [(2048, 8, True), (1024, 4, False)]
-            for block, warps, exact in variants:
-                kernel.TUNING.update(block_elems=block, num_warps=warps, exact=exact)
+            variants = [(1, 1, 1), (1, 1, 4), (1, 1, 16), (2, 2, 4), (4, 4, 1), (4, 4, 4), (8, 8, 1), (2, 1, 4)]
+            for block, warps, loop in variants if quant else variants[:3]:
+                kernel.TUNING.update(block_groups=block, num_warps=warps, loop=loop)
                 kernel._plans.clear()
                 ms = bench(batch)
-                print(f"{str(dtype):15s} quant={quant!s:5s} block={block:5d} warps={warps} exact={exact!s:5s} "
+                print(f"{str(dtype):15s} quant={quant!s:5s} groups={block:2d} warps={warps} loop={loop:2d} "
                       f"{ms:7.2f} ms  floor {floor:5.2f} ms  x{ms / floor:5.2f}", flush=True)
             del states, batch
         # the whole optimizer on the same tensors: what the step costs beyond the kernel
         import lpoptim
-        kernel.TUNING.update(block_elems=2048, num_warps=8, exact=True)
+        kernel.TUNING.update(block_groups=1, num_warps=1, loop=8)
         ps = [torch.nn.Parameter(p) for p in params]
         for p, g in zip(ps, grads):
             p.grad = g

@@ -182,8 +182,8 @@ def encode_groups(g: torch.Tensor, fmt: FloatFormat = E4M3, expansion: bool = Tr
     scale = pack_scale(amax, log2k)
     c, log2k = unpack_scale(scale)
     c = c.unsqueeze(-1)
-    safe_c = torch.where(c > 0, c, torch.ones_like(c))
-    t = (g.abs() / safe_c).clamp(max=1.0)  # |x| <= amax <= c (1 + 2^-21): the clamp is the saturation
+    inv_c = 1.0 / torch.where(c > 0, c, torch.ones_like(c))  # one division per group (the kernel does the same)
+    t = (g.abs() * inv_c).clamp(max=1.0)  # |x| <= amax <= c (1 + 2^-21): the clamp is the saturation
     f = _pow2k(t, log2k.unsqueeze(-1)) * fmt.max
     q = torch.copysign(round_to_grid(f, fmt), g)
     return torch.where(torch.isfinite(g), q, torch.full_like(q, float("nan"))), scale

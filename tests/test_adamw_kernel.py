@@ -15,6 +15,17 @@ from lpoptim.optim.state import StateLayout, init_state
 SHAPES = [(48, 256), (5, 200), (1000,), (3, 7, 130), (16, 128)]
 
 
+@pytest.fixture(autouse=True)
+def _interpreter_friendly_tiles():
+    """The interpreter pays per program: on the CPU use a few large tiles (the GPU keeps its tuned ones)."""
+    saved = dict(kernel.TUNING)
+    if not torch.cuda.is_available():
+        kernel.TUNING.update(block_groups=16, num_warps=4, loop=1)
+    yield
+    kernel.TUNING.clear()
+    kernel.TUNING.update(saved)
+
+
 def _run(device, dtype, steps=3, amsgrad=False, maximize=False, lr=1e-2, layout=None, grad_scale=None, found_inf=None):
     layout = layout or StateLayout(quantized=True)
     gen = torch.Generator().manual_seed(0)
@@ -110,10 +121,13 @@ def test_fused_optimizer_on_gpu_uses_kernel_and_tracks_torch():
     opt = lpoptim.AdamW(model.parameters(), lr=1e-3, fused=True, min_quant_numel=4096)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     x = torch.randn(64, 256, device="cuda")
+    p0 = [p.detach().clone() for p in ref.parameters()]
     for _ in range(20):
         for m, o in ((model, opt), (ref, ropt)):
             o.zero_grad()
             m(x).pow(2).mean().backward()
             o.step()
-    for a, b in zip(model.parameters(), ref.parameters()):
-        assert (a - b).abs().max() < 20 * 1e-3 * 0.15
+    # E4M3 rounds m and sqrt(v) with at most 2^-4 relative error (about 3% RMS): the displacement may differ by
+    # that much, not more; the CPU reference gives 4.5% on this problem.
+    for a, b, c in zip(model.parameters(), ref.parameters(), p0):
+        assert (a - b).norm() / (b - c).norm() < 0.1

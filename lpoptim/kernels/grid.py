@@ -74,17 +74,23 @@ def store_as(ptr, x, mask, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def div(a, b, EXACT: tl.constexpr):
-    """a / b: IEEE round-to-nearest when EXACT (as torch computes), else the fast approximate division."""
-    if EXACT:
-        return tl.div_rn(a, b)
+def fast_log2(x, ON_GPU: tl.constexpr):
+    """log2 by the GPU's one-instruction approximation (tl.log2 calls a longer accurate routine)."""
+    if ON_GPU:
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
     else:
-        return a / b
+        return tl.log2(x)
 
 
 @triton.jit
-def sqrt(x, EXACT: tl.constexpr):
-    if EXACT:
-        return tl.sqrt_rn(x)
+def fast_exp2(x, ON_GPU: tl.constexpr):
+    if ON_GPU:
+        return tl.inline_asm_elementwise("ex2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
     else:
-        return tl.sqrt(x)
+        return tl.exp2(x)
+
+
+@triton.jit
+def fast_div(a, b):
+    """a / b without IEEE rounding (div.full.f32: within 2 ulp); Triton's '/' is the slower IEEE division."""
+    return tl.fdiv(a, b, ieee_rounding=False)

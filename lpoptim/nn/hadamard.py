@@ -46,8 +46,11 @@ def block_hadamard(x: torch.Tensor, b: int) -> torch.Tensor:
     return (y * inv_sqrt(b)).reshape(x.shape)
 
 
-def pick_block(n: int, block: int, minimum: int = 16) -> int:
-    """The largest power of two <= ``block`` that divides ``n`` (>= ``minimum``), so small layers still work."""
+def pick_block(n: int, block: int | None, minimum: int = 16) -> int | None:
+    """The largest power of two <= ``block`` that divides ``n`` (>= ``minimum``), so small layers still work.
+    None (no Hadamard transform) stays None."""
+    if block is None:
+        return None
     b = block
     while b >= minimum and n % b:
         b //= 2
