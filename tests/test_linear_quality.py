@@ -1,25 +1,30 @@
 """Training quality on CPU: the small GPT on tinyshakespeare with each recipe against fp32, same seed, data and
 steps. A short run (the model reaches roughly bigram level); benchmarks/linear.py runs a longer one on the GPU.
-Measured (250 steps, 2 cores): fp32 val 2.435, fp8 2.451 (+0.7%), fp4 2.427 (-0.3%), int4 2.464 (+1.2%)."""
+Measured (150 steps, one thread): fp32 val 2.527, fp8 2.528 (+0.03%), fp4 2.517 (-0.4%), int4 2.523 (-0.15%).
+One thread: the CI machine has 2 cores shared with other jobs, where OpenMP threads spin against each other."""
 import pytest
 import torch
 
 from lpoptim.nn.quality import train_char_gpt
 from lpoptim.train.data import CharData
 
-STEPS, LR = 250, 5e-3
+STEPS, LR = 150, 5e-3
 
 
 @pytest.fixture(scope="module")
 def runs():
-    torch.set_num_threads(2)
-    data = CharData()
-    return {r: train_char_gpt(r, steps=STEPS, lr=LR, data=data) for r in (None, "fp8", "fp4", "int4")}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        data = CharData()
+        return {r: train_char_gpt(r, steps=STEPS, lr=LR, data=data) for r in (None, "fp8", "fp4", "int4")}
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("recipe,tol", [("fp8", 0.01), ("fp4", 0.03), ("int4", 0.03)])
 def test_recipe_loss_close_to_fp32(runs, recipe, tol):
     base, low = runs[None], runs[recipe]
-    assert base["val"] < 2.6  # the baseline learned (uniform over 65 chars is 4.17)
+    assert base["val"] < 2.7  # the baseline learned (uniform over 65 chars is 4.17)
     assert low["val"] <= base["val"] * (1 + tol), (recipe, low, base)
     assert low["train"] <= base["train"] * (1 + tol), (recipe, low, base)
