@@ -20,9 +20,9 @@ import triton.language as tl
 from ..formats import FloatFormat, IntFormat, get_format
 from ..nn.hadamard import hadamard_pm1, inv_sqrt
 from ..nn.operands import container_dtype
-from ..quant import _finite_absmax, absmax_scale
+from ..quant import absmax_scale
 
-_RNE_MAGIC = 12582912.0  # 1.5·2^23: (y + M) - M rounds |y| < 2^22 to the nearest integer, ties to even
+_RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5·2^23: (y + M) - M rounds |y| < 2^22 to the nearest integer, ties to even
 
 
 @triton.jit
@@ -109,7 +109,8 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
     if granularity == "tensor":
         if hadamard_block:
             raise NotImplementedError("per-tensor scaling with a Hadamard transform: use granularity='row'")
-        scale = absmax_scale(_finite_absmax(x.float()), fmt).reshape(())
+        # max |x| over finite elements, as quant._finite_absmax, without an fp32 copy of x
+        scale = absmax_scale(x.abs().nan_to_num_(0.0, 0.0, 0.0).amax().float(), fmt).reshape(())
     elif granularity == "row":
         scale = torch.empty((R, 1), device=x.device, dtype=torch.float32)
     else:

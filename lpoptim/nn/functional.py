@@ -16,6 +16,7 @@ import torch
 from ..formats import E4M3
 from .fp4 import dge_derivative, occ_split, residual_matmul
 from .hadamard import pick_block
+from .native_fp4 import gemm_mxfp4, native_fp4_supported
 from .operands import (Operand, gemm, int8_split_operand, pow2_block_operand, pow2_block_scaled,
                        quantize_operand)
 from .recipes import Recipe
@@ -32,19 +33,19 @@ def _save_x_for_dw(x2: torch.Tensor, r: Recipe) -> Operand:
     return quantize_operand(x2.t(), r.bwd_fmt, r.granularity)
 
 
-def _fp8_backward(g2: torch.Tensor, w: torch.Tensor, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool):
+def _fp8_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, dx_dtype, dw_dtype):
     dx = dw = None
     if need_dx:
         gq = quantize_operand(g2, r.grad_fmt, r.granularity)          # (M, N)
         wt = quantize_operand(w.t(), E4M3, r.granularity)              # (K, N): W per input channel
-        dx = gemm(gq, wt, torch.float32)
+        dx = gemm(gq, wt, dx_dtype)
     if need_dw:
         gt = quantize_operand(g2.t(), r.grad_fmt, r.granularity)       # (N, M padded like xt)
-        dw = gemm(gt, xt, torch.float32)
+        dw = gemm(gt, xt, dw_dtype)
     return dx, dw
 
 
-def _int4split_backward(g2: torch.Tensor, w: torch.Tensor, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool):
+def _int4split_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, dx_dtype, dw_dtype):
     """dy as INT8 (after a Hadamard along the contraction dim) split into two INT4 halves, the other operand INT4."""
     dx = dw = None
     if need_dx:
@@ -63,7 +64,7 @@ class _LowBitLinearFunction(torch.autograd.Function):
     """Shared backward; subclasses define the forward GEMM."""
 
     @staticmethod
-    def forward_gemm(ctx, x2, w, r: Recipe) -> torch.Tensor:
+    def forward_gemm(ctx, x2, w, r: Recipe, out_dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
     @staticmethod
@@ -73,9 +74,9 @@ class _LowBitLinearFunction(torch.autograd.Function):
     @classmethod
     def forward(cls, ctx, x, w, bias, r: Recipe, out_dtype: torch.dtype):
         x2 = _flat(x)
-        y = cls.forward_gemm(ctx, x2, w, r)
+        y = cls.forward_gemm(ctx, x2, w, r, out_dtype)
         if bias is not None:
-            y = y + bias.float()
+            y = y + bias.to(y.dtype)
         xt = _save_x_for_dw(x2, r) if w.requires_grad else None
         ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.has_bias = r, x.shape, x.dtype, bias is not None
         ctx.save_for_backward(w, *((xt.values, xt.scale) if xt is not None else ()))
@@ -90,40 +91,43 @@ class _LowBitLinearFunction(torch.autograd.Function):
         need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         with torch.autocast(gy.device.type, enabled=False):
             bwd = _int4split_backward if r.backward == "int4split" else _fp8_backward
-            dx, dw = bwd(g2, w, xt, r, need_dx, need_dw and xt is not None)
+            factor = cls.weight_grad_factor(w, r) if need_dw and xt is not None else None
+            dx, dw = bwd(g2, w, xt, r, need_dx, need_dw and xt is not None, ctx.x_dtype,
+                         w.dtype if factor is None else torch.float32)
             if dw is not None:
-                factor = cls.weight_grad_factor(w, r)
-                if factor is not None:
-                    dw = dw * factor
-                dw = dw.to(w.dtype)
+                dw = (dw if factor is None else dw * factor).to(w.dtype)
             if dx is not None:
                 dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
-            db = g2.float().sum(0).to(w.dtype) if (need_db and ctx.has_bias) else None
+            db = g2.sum(0, dtype=torch.float32).to(w.dtype) if (need_db and ctx.has_bias) else None
         return dx, dw, db, None, None
 
 
 class Fp8LinearFunction(_LowBitLinearFunction):
     @staticmethod
-    def forward_gemm(ctx, x2, w, r):
-        return gemm(quantize_operand(x2, r.fwd_fmt, r.granularity), quantize_operand(w, r.fwd_fmt, r.granularity))
+    def forward_gemm(ctx, x2, w, r, out_dtype):
+        return gemm(quantize_operand(x2, r.fwd_fmt, r.granularity), quantize_operand(w, r.fwd_fmt, r.granularity),
+                    out_dtype)
 
 
 class Fp4LinearFunction(_LowBitLinearFunction):
     """E2M1 forward with outlier clamping (OCC), DGE on the weight gradient; backward GEMMs in FP8."""
 
     @staticmethod
-    def forward_gemm(ctx, x2, w, r):
+    def forward_gemm(ctx, x2, w, r, out_dtype):
         resid = None
         if r.occ_alpha is not None:
             x2, resid = occ_split(x2, r.occ_alpha, r.occ_sample)
+        if r.native_fp4 and r.fp4_block == 32 and native_fp4_supported(x2.device):
+            y = gemm_mxfp4(x2, w)
+            return y.to(out_dtype) if resid is None else (y.float() + residual_matmul(resid, w)).to(out_dtype)
         if r.fp4_block:
             xq, wq = pow2_block_operand(x2, r.fp4_block), pow2_block_operand(w, r.fp4_block)
         else:
             xq, wq = quantize_operand(x2, "e2m1", r.granularity), quantize_operand(w, "e2m1", r.granularity)
-        y = gemm(xq, wq)
-        if resid is not None:  # the clamped-off outliers, in fp32 against the unquantized weight
-            y = y + residual_matmul(resid, w)
-        return y
+        if resid is None:
+            return gemm(xq, wq, out_dtype)
+        # the clamped-off outliers, in fp32 against the unquantized weight
+        return (gemm(xq, wq) + residual_matmul(resid, w)).to(out_dtype)
 
     @staticmethod
     def weight_grad_factor(w, r):
@@ -141,9 +145,9 @@ class Int4LinearFunction(_LowBitLinearFunction):
     """INT4 (-7..7) after a block-diagonal Hadamard along in-features; it cancels in the product."""
 
     @staticmethod
-    def forward_gemm(ctx, x2, w, r):
+    def forward_gemm(ctx, x2, w, r, out_dtype):
         b = pick_block(w.shape[1], r.hadamard_block)
-        return gemm(quantize_operand(x2, r.fwd_fmt, "row", b), quantize_operand(w, r.fwd_fmt, "row", b))
+        return gemm(quantize_operand(x2, r.fwd_fmt, "row", b), quantize_operand(w, r.fwd_fmt, "row", b), out_dtype)
 
 
 FUNCTIONS = {"e4m3": Fp8LinearFunction, "e2m1": Fp4LinearFunction, "int4_sym": Int4LinearFunction,

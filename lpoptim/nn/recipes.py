@@ -33,6 +33,7 @@ class Recipe:
     dge_cap: float = 3.0           # cap on the DGE derivative
     occ_alpha: float | None = None  # outlier clamping quantile of |x| (None: off)
     occ_sample: int = 1 << 20      # the quantile is estimated on at most this many evenly strided elements
+    native_fp4: bool = False       # fp4_block=32 on sm_100: real FP4 tensor cores (untested, see native_fp4.py)
 
     def with_(self, **kw) -> "Recipe":
         return replace(self, **kw)
