@@ -224,8 +224,8 @@ def main(argv=None):
     dtype = torch.bfloat16 if cuda else torch.float32  # bf16 matmul on the CPU is slow and not what is measured
     args.tokens = args.tokens or (256 if args.small else 16384)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.small else 5)
-    args.iters = args.iters or (3 if args.small else 30)
-    args.quality_steps = args.quality_steps or (20 if args.small else 1500)
+    args.iters = args.iters or (3 if args.small else 20)
+    args.quality_steps = args.quality_steps or (20 if args.small else 1000)
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": device,
            "gpu": torch.cuda.get_device_name() if cuda else None, "argv": sys.argv}
     try:
