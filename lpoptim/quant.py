@@ -7,17 +7,17 @@ ceil(N / G) groups of G elements (the last one short). Sharding along dim 0 (FSD
 shard's groups are exactly the whole tensor's groups for those rows and a checkpoint reshards exactly.
 
 Dynamic range expansion (COAT, arXiv 2410.19313): before quantizing a group, map x -> sign(x)·(|x|/c)^k with
-c = max|x| and k >= 1, so that the group's smallest magnitude lands near the format's smallest normal; the
-relative rounding error of x is then 1/k of the format's. lpoptim restricts k to {1, 2, 4, 8}: raising to k is
-repeated squaring and the inverse is repeated IEEE square roots, so the reference and the kernels agree bit for
-bit, it costs no transcendental functions, and log2(k) fits in the two lowest mantissa bits of the group's fp32
-scale (one fp32 number per group and moment: 2.0625 bytes per parameter at G=128). COAT's faults are avoided:
-k is never below 1 nor unbounded (a constant group gets k=8, not inf), the minimum is over non-zero finite
-elements (a zero does not collapse k), and non-finite elements are left out of the group statistics and kept as
-NaN codes, so they never poison their neighbours.
+c = max|x| and k >= 1 chosen so that the group's smallest magnitude lands on the format's smallest subnormal;
+the relative rounding error of most elements is then about 1/k of the format's. k is kept on a grid
+(1 + code/16, an 8-bit code) inside the low mantissa byte of the group's fp32 scale, so a group costs one fp32
+number per moment (2.06 bytes per parameter at G=128, COAT spends three). COAT's faults are avoided: k is
+never below 1 nor unbounded (a constant group gets the largest k, not inf or NaN), the minimum is over non-zero
+finite elements (a zero does not collapse k), and non-finite elements are left out of the group statistics and
+kept as NaN codes, so they never poison their neighbours. benchmarks/state_quant_error.py measures the choice.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -112,53 +112,65 @@ def quantize(x: torch.Tensor, fmt="e4m3", granularity: str = "tensor", group_siz
     return Quantized(values, scale, fmt, granularity, group_size if granularity == "group" else None, tuple(x.shape))
 
 
-# ---- dynamic range expansion with k in {1, 2, 4, 8}: the optimizer-state codec ------------------------------
+# ---- dynamic range expansion: the optimizer-state codec -----------------------------------------------------
+# k = 1 + code / K_STEPS with an 8-bit code held in the low mantissa byte of the group's fp32 scale: one fp32
+# number per group and moment (2.06 bytes per parameter at G=128), a relative change of c below 2^-15.
 
-MAX_LOG2_K = 3  # k <= 8
-
-
-def _pow2k(t: torch.Tensor, log2k: torch.Tensor) -> torch.Tensor:
-    """t ** (2 ** log2k) by repeated squaring (exactly what the kernel does)."""
-    for i in range(MAX_LOG2_K):
-        t = torch.where(log2k > i, t * t, t)
-    return t
+K_BITS = 8
+K_MASK = (1 << K_BITS) - 1
+K_STEPS = 16.0  # k in [1, 1 + 255/16 = 16.9]: finer than the error it buys back
 
 
-def _root2k(t: torch.Tensor, log2k: torch.Tensor) -> torch.Tensor:
-    """t ** (1 / 2 ** log2k) by repeated IEEE square roots."""
-    for i in range(MAX_LOG2_K):
-        t = torch.where(log2k > i, torch.sqrt(t), t)
-    return t
+def expansion_floor(fmt: FloatFormat, target: str = "subnormal") -> float:
+    """The value a group's smallest magnitude is expanded down to: the format's smallest subnormal (COAT's
+    choice, the default: measured best on real optimizer states) or its smallest normal."""
+    if target not in ("normal", "subnormal"):
+        raise ValueError(f"expansion target must be 'normal' or 'subnormal', got {target!r}")
+    return fmt.min_normal if target == "normal" else fmt.min_subnormal
 
 
-def choose_log2k(amax: torch.Tensor, amin: torch.Tensor, fmt: FloatFormat, expansion: bool = True) -> torch.Tensor:
-    """Largest log2 k in 0..3 such that (amin/amax)^k · fmt.max stays at or above the smallest normal.
+def choose_k_code(amax: torch.Tensor, amin: torch.Tensor, fmt: FloatFormat, expansion: bool = True,
+                  target: str = "subnormal") -> torch.Tensor:
+    """The 8-bit code of the largest k on the grid with (amin/amax)^k · fmt.max >= the expansion floor.
 
-    amin is the smallest non-zero finite magnitude in the group (inf when there is none). Constant groups get
-    k = 8; groups whose range already exceeds the format's get k = 1 (plain absmax scaling).
+    COAT's k = log(fmt.max / floor) / log(amax / amin), rounded down onto k = 1 + code/16 and clamped to
+    [1, 16.9]: never below 1 (which would shrink the range), never infinite (a constant group gets the largest
+    k, not a NaN), and amin is over non-zero finite elements only (a zero does not collapse k to 0).
     """
-    log2k = torch.zeros(amax.shape, dtype=torch.int32, device=amax.device)
+    code = torch.zeros(amax.shape, dtype=torch.int32, device=amax.device)
     if not expansion:
-        return log2k
-    ratio = torch.where((amax > 0) & torch.isfinite(amin), amin / amax, torch.zeros_like(amax))
-    t = ratio
-    for i in range(1, MAX_LOG2_K + 1):
-        t = t * t
-        log2k = torch.where(t * fmt.max >= fmt.min_normal, torch.full_like(log2k, i), log2k)
-    return log2k
+        return code
+    span = math.log2(fmt.max / expansion_floor(fmt, target))
+    valid = (amax > 0) & torch.isfinite(amin)
+    ratio_log2 = torch.log2(torch.where(valid, amax, torch.ones_like(amax)) / torch.where(valid, amin, torch.ones_like(amin)))
+    k = span / ratio_log2.clamp_min(1e-6)  # a constant group: ratio 1, k huge, clamped below
+    code = torch.floor((k - 1.0) * K_STEPS).clamp(0, K_MASK).to(torch.int32)
+    return torch.where(valid, code, torch.zeros_like(code))
 
 
-def pack_scale(amax: torch.Tensor, log2k: torch.Tensor) -> torch.Tensor:
-    """fp32 scale = amax with its two lowest mantissa bits replaced by log2 k (a relative change below 2^-21).
+def k_of(code: torch.Tensor) -> torch.Tensor:
+    return 1.0 + code.float() * (1.0 / K_STEPS)
 
-    Groups with amax = 0 store 0 (k is irrelevant there: every code is 0)."""
-    bits = (amax.float().contiguous().view(torch.int32) & ~3) | log2k
+
+def pack_scale(amax: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    """fp32 scale = amax with its low mantissa byte replaced by k's code. Groups with amax = 0 store 0."""
+    bits = (amax.float().contiguous().view(torch.int32) & ~K_MASK) | code
     return torch.where(amax > 0, bits.view(torch.float32), torch.zeros_like(amax, dtype=torch.float32))
 
 
 def unpack_scale(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 scale -> (c, log2 k). c is used exactly as stored, low bits included, by encoder and decoder."""
-    return scale, scale.contiguous().view(torch.int32) & 3
+    """fp32 scale -> (c, k's code). c is used exactly as stored, low bits included, by encoder and decoder."""
+    return scale, scale.contiguous().view(torch.int32) & K_MASK
+
+
+def expand(t: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    """t ** k for t in [0, 1] (k = 1 is left exact)."""
+    return torch.where(code > 0, torch.exp2(torch.log2(t) * k_of(code)), t)
+
+
+def compress(t: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    """t ** (1 / k), the inverse of ``expand``."""
+    return torch.where(code > 0, torch.exp2(torch.log2(t) * (1.0 / k_of(code))), t)
 
 
 def group_stats(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,32 +187,32 @@ def inv_max(fmt: FloatFormat) -> float:
     return torch.tensor(1.0 / fmt.max, dtype=torch.float32).item()
 
 
-def encode_groups(g: torch.Tensor, fmt: FloatFormat = E4M3, expansion: bool = True):
+def encode_groups(g: torch.Tensor, fmt: FloatFormat = E4M3, expansion: bool = True, target: str = "subnormal"):
     """Groups (R, n, G) fp32 -> (grid values (R, n, G) fp32, scales (R, n) fp32). The padding must be 0."""
     amax, amin = group_stats(g)
-    log2k = choose_log2k(amax, amin, fmt, expansion)
-    scale = pack_scale(amax, log2k)
-    c, log2k = unpack_scale(scale)
+    scale = pack_scale(amax, choose_k_code(amax, amin, fmt, expansion, target))
+    c, code = unpack_scale(scale)
     c = c.unsqueeze(-1)
     inv_c = 1.0 / torch.where(c > 0, c, torch.ones_like(c))  # one division per group (the kernel does the same)
-    t = (g.abs() * inv_c).clamp(max=1.0)  # |x| <= amax <= c (1 + 2^-21): the clamp is the saturation
-    f = _pow2k(t, log2k.unsqueeze(-1)) * fmt.max
+    t = (g.abs() * inv_c).clamp(max=1.0)  # |x| <= amax <= c (1 + 2^-15): the clamp is the saturation
+    f = expand(t, code.unsqueeze(-1)) * fmt.max
     q = torch.copysign(round_to_grid(f, fmt), g)
     return torch.where(torch.isfinite(g), q, torch.full_like(q, float("nan"))), scale
 
 
 def decode_groups(q: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat = E4M3) -> torch.Tensor:
     """Inverse of ``encode_groups``: grid values (R, n, G) and scales (R, n) -> fp32 groups."""
-    c, log2k = unpack_scale(scale)
+    c, code = unpack_scale(scale)
     inv = torch.tensor(inv_max(fmt), dtype=torch.float32, device=q.device)
-    t = _root2k(q.abs().float() * inv, log2k.unsqueeze(-1))
+    t = compress(q.abs().float() * inv, code.unsqueeze(-1))
     return torch.copysign(t * c.unsqueeze(-1), q.float())
 
 
-def quantize_state(x: torch.Tensor, fmt: FloatFormat | str = E4M3, group_size: int = 128, expansion: bool = True):
+def quantize_state(x: torch.Tensor, fmt: FloatFormat | str = E4M3, group_size: int = 128, expansion: bool = True,
+                   target: str = "subnormal"):
     """A moment tensor -> (uint8 codes of x's shape: the fp8 bit patterns, fp32 scales (R, groups per row))."""
     fmt = get_format(fmt)
-    q, scale = encode_groups(to_groups(x.float(), group_size), fmt, expansion)
+    q, scale = encode_groups(to_groups(x.float(), group_size), fmt, expansion, target)
     codes = from_groups(q, x.shape).to(fmt.dtype).view(torch.uint8)
     return codes, scale
 

@@ -117,6 +117,27 @@ def test_restore_gives_back_the_original_behaviour():
     assert not is_wrapped(block)
 
 
+def test_deepcopy_of_a_wrapped_block_runs_the_copy():
+    import copy
+
+    block, _ = _gpt_block(torch.float32)
+    handle = compress_activations(block)
+    clone = copy.deepcopy(block)
+    assert is_wrapped(clone)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.mul_(2)
+    x = torch.randn(2, 32, 64)
+    with torch.no_grad():
+        assert not torch.allclose(clone(x), block(x))  # the copy's forward uses the copy's weights
+    with handle.record() as stats:
+        clone(x.requires_grad_()).sum().backward()
+    assert stats.stored_bytes > 0 and all(p.grad is not None for p in clone.parameters())
+    assert all(p.grad is None for p in block.parameters())
+    restore_activations(clone)
+    assert not is_wrapped(clone) and is_wrapped(block)
+
+
 def test_modulelist_wraps_each_block_and_no_grad_is_untouched():
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
     handle = compress_activations(model.layers)
@@ -246,6 +267,7 @@ def test_torch_compile_either_order(order):
     else:
         run = torch.compile(block)
         handle = compress_activations(run)
+        assert is_wrapped(run) and not is_wrapped(block)  # OptimizedModule forwards attributes: not this one
     with handle.record() as stats:
         got = _grads(run, x, {}, params_of=block)
     assert stats.bytes_by_kind().get("fp8_group", 0) > 0

@@ -58,8 +58,10 @@ def _compare(params, ref_p, states, ref_s, layout, code_tol=0.002):
             a, b = load_moment(s, name, layout), load_moment(rs, name, layout)
             rel = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
             assert rel < 5e-3, f"{name}: relative difference {rel}"
-        ulp = torch.finfo(p.dtype).eps * rp.float().abs().clamp_min(1e-3)
-        assert ((p.float() - rp.float()).abs() <= 4 * ulp).float().mean() > 0.999
+        # the kernel divides by approximate reciprocals: a few ulps of the parameter and of the update (~lr)
+        tol = 4 * torch.finfo(p.dtype).eps * (rp.float().abs() + 1e-2)
+        close = ((p.float() - rp.float()).abs() <= tol).float().mean().item()
+        assert close > 0.999, f"{1 - close:.4%} of parameters differ by more than a few ulps"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

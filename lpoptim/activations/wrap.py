@@ -14,7 +14,9 @@ granularity (groups of 16) and attention's are not told apart.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
+import types
 from typing import Iterable
 
 import torch
@@ -88,7 +90,7 @@ def compress_activations(blocks: nn.Module | Iterable[nn.Module], policy: Activa
         raise TypeError("pass either policy= or keyword options, not both")
     mods = _as_blocks(blocks)
     for b in mods:
-        if hasattr(b, _ATTR):
+        if is_wrapped(b):
             raise RuntimeError(f"{type(b).__name__} is already wrapped by compress_activations; remove() it first")
     handle = ActivationHandle(mods, policy)
     for b in mods:
@@ -105,30 +107,51 @@ def restore_activations(blocks_or_handle) -> None:
         _unwrap(b)
 
 
+class _WrappedForward:
+    """The instance ``forward`` of a wrapped block.
+
+    A class rather than a closure so that ``copy.deepcopy`` of a wrapped model gives a copy whose forward runs
+    the copy (a closure would keep calling the original block). It is also the marker ``restore`` reads.
+    """
+
+    def __init__(self, module: nn.Module, original, had_forward: bool, handle: ActivationHandle):
+        self.module, self.original, self.had_forward, self.handle = module, original, had_forward, handle
+        functools.update_wrapper(self, original)
+
+    @torch.compiler.disable(recursive=False)  # Dynamo runs this eagerly and compiles ``original`` as its own frame
+    def __call__(self, *args, **kwargs):
+        policy, stats = self.handle.policy, self.handle.stats
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            return self.original(*args, **kwargs)  # nothing is saved: nothing to do
+        if policy.recompute:
+            return fp8_checkpoint(self.original, self.module, args, kwargs, policy, stats)
+        with PackContext(self.module, policy, stats):
+            return self.original(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        module = copy.deepcopy(self.module, memo)  # the copy under construction (already in memo)
+        original = self.original
+        if isinstance(original, types.MethodType) and original.__self__ is self.module:
+            original = types.MethodType(original.__func__, module)
+        else:
+            original = copy.deepcopy(original, memo)
+        return _WrappedForward(module, original, self.had_forward, self.handle)
+
+
 def _wrap(module: nn.Module, handle: ActivationHandle):
     had_forward = "forward" in module.__dict__
-    original = module.forward  # bound method, or an instance attribute another wrapper put there
-
-    @functools.wraps(original)
-    def forward(*args, **kwargs):
-        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-            return original(*args, **kwargs)  # nothing is saved: nothing to do
-        if handle.policy.recompute:
-            return fp8_checkpoint(original, module, args, kwargs, handle.policy, handle.stats)
-        with PackContext(module, handle.policy, handle.stats):
-            return original(*args, **kwargs)
-
-    module.forward = torch.compiler.disable(forward, recursive=False)
-    setattr(module, _ATTR, (had_forward, original))
+    fwd = _WrappedForward(module, module.forward, had_forward, handle)
+    module.forward = fwd
+    # Straight into __dict__: OptimizedModule (torch.compile) forwards unknown attributes to the module it wraps.
+    module.__dict__[_ATTR] = fwd
 
 
 def _unwrap(module: nn.Module):
-    state = module.__dict__.pop(_ATTR, None)
-    if state is None:
+    fwd = module.__dict__.pop(_ATTR, None)
+    if fwd is None:
         return
-    had_forward, original = state
-    if had_forward:
-        module.forward = original
+    if fwd.had_forward:
+        module.forward = fwd.original
     else:
         del module.forward
 

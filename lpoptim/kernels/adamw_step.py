@@ -13,6 +13,7 @@ operation; tests hold the two together.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -21,13 +22,13 @@ try:
     import triton
     import triton.language as tl
 
-    from .grid import fast_div, fast_exp2, fast_log2, fp8_bits, fp8_value, grid_magnitude, store_as, with_sign_of
+    from .grid import fast_exp2, fast_log2, fast_rcp, fp8_bits, fp8_cast_bits, fp8_value, grid_magnitude, store_as, with_sign_of
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - triton is a dependency, but keep the reference usable without it
     HAVE_TRITON = False
 
 from ..formats import get_format
-from ..quant import inv_max
+from ..quant import K_MASK, K_STEPS, expansion_floor, inv_max
 
 # columns of the address table
 P_PARAM, P_GRAD, P_M, P_MS, P_V, P_VS, P_VMAX, P_VMAXS = range(8)
@@ -48,16 +49,8 @@ if HAVE_TRITON:
     _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
     @triton.jit
-    def _root_2k(t, log2k, ON_GPU: tl.constexpr):
-        """t ** (1 / 2**log2k): one lg2 and one ex2 instead of up to three IEEE square roots (the reference's);
-        they agree to a few fp32 ulps, far inside an FP8 step."""
-        inv_k = tl.where(log2k == 1, 0.5, tl.where(log2k == 2, 0.25, 0.125))
-        return tl.where(log2k > 0, fast_exp2(fast_log2(t, ON_GPU) * inv_k, ON_GPU), t)
-
-    @triton.jit
-    def _pow_2k(t, log2k, ON_GPU: tl.constexpr):
-        k = tl.where(log2k == 1, 2.0, tl.where(log2k == 2, 4.0, 8.0))
-        return tl.where(log2k > 0, fast_exp2(fast_log2(t, ON_GPU) * k, ON_GPU), t)
+    def _k_of(code):
+        return 1.0 + code.to(tl.float32) * (1.0 / K_STEPS_C)
 
     @triton.jit
     def _decode(codes_ptr, scale_ptr, offs, mask, gid, gmask, IS_E4M3: tl.constexpr, INV_MAX: tl.constexpr,
@@ -67,12 +60,15 @@ if HAVE_TRITON:
             return tl.load(codes_ptr.to(tl.pointer_type(tl.float32)) + offs, mask=mask, other=0.0)
         q = fp8_value(tl.load(codes_ptr + offs, mask=mask, other=0), IS_E4M3)
         c = tl.load(scale_ptr + gid, mask=gmask, other=0.0)
-        t = _root_2k(tl.abs(q) * INV_MAX, c.to(tl.int32, bitcast=True) & 3, ON_GPU)
+        code = c.to(tl.int32, bitcast=True) & K_MASK_C
+        inv_k = tl.div_rn(1.0, _k_of(code))  # once per group, as the reference
+        t = tl.abs(q) * INV_MAX
+        t = tl.where(code > 0, fast_exp2(fast_log2(t, ON_GPU) * inv_k, ON_GPU), t)  # t ** (1/k)
         return with_sign_of(t * c, q)
 
     @triton.jit
     def _encode(x, codes_ptr, scale_ptr, offs, mask, gid, gmask, EXPANSION: tl.constexpr, IS_E4M3: tl.constexpr,
-                MAN_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FMAX: tl.constexpr, FMIN_NORMAL: tl.constexpr,
+                MAN_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FMAX: tl.constexpr, SPAN_LOG2: tl.constexpr,
                 QUANT: tl.constexpr, ON_GPU: tl.constexpr):
         if not QUANT:
             tl.store(codes_ptr.to(tl.pointer_type(tl.float32)) + offs, x, mask=mask)
@@ -80,39 +76,36 @@ if HAVE_TRITON:
         a = tl.abs(x)
         finite = (a < float("inf")) & mask  # NaN compares false
         amax = tl.max(tl.where(finite, a, 0.0), axis=1, keep_dims=True)
-        amin = tl.min(tl.where(finite & (a > 0), a, float("inf")), axis=1, keep_dims=True)
-        log2k = tl.zeros_like(amax).to(tl.int32)
-        if EXPANSION:
-            ratio = tl.where((amax > 0) & (amin < float("inf")), tl.div_rn(amin, tl.where(amax > 0, amax, 1.0)), 0.0)
-            t = ratio * ratio
-            log2k = tl.where(t * FMAX >= FMIN_NORMAL, 1, log2k)
-            t = t * t
-            log2k = tl.where(t * FMAX >= FMIN_NORMAL, 2, log2k)
-            t = t * t
-            log2k = tl.where(t * FMAX >= FMIN_NORMAL, 3, log2k)
-        c = ((amax.to(tl.int32, bitcast=True) & -4) | log2k).to(tl.float32, bitcast=True)
+        code = tl.zeros_like(amax).to(tl.int32)
+        if EXPANSION:  # k = log2(FMAX / floor) / log2(amax / amin), on a grid of 1/16, clamped to [1, 16.9]
+            amin = tl.min(tl.where(finite & (a > 0), a, float("inf")), axis=1, keep_dims=True)
+            valid = (amax > 0) & (amin < float("inf"))
+            ratio = tl.div_rn(tl.where(valid, amax, 1.0), tl.where(valid, amin, 1.0))
+            k = SPAN_LOG2 / tl.maximum(fast_log2(ratio, ON_GPU), 1e-6)
+            code = tl.minimum(tl.maximum(tl.floor((k - 1.0) * K_STEPS_C), 0.0), K_MASK_C * 1.0).to(tl.int32)
+            code = tl.where(valid, code, 0)
+        c = ((amax.to(tl.int32, bitcast=True) & ~K_MASK_C) | code).to(tl.float32, bitcast=True)
         c = tl.where(amax > 0, c, 0.0)
         tl.store(scale_ptr + gid, c, mask=gmask)
         inv_c = tl.div_rn(1.0, tl.where(c > 0, c, 1.0))  # once per group, as the reference
-        f = _pow_2k(tl.minimum(a * inv_c, 1.0), log2k, ON_GPU) * FMAX
-        f = tl.where(finite, f, 0.0)
-        if ON_GPU:  # the GPU's cvt.rn.satfinite rounds to nearest even onto the grid: the same as grid_magnitude
-            mag = fp8_bits(f, IS_E4M3)
+        t = tl.minimum(a * inv_c, 1.0)
+        t = tl.where(code > 0, fast_exp2(fast_log2(t, ON_GPU) * _k_of(code), ON_GPU), t)  # t ** k
+        f = t * FMAX
+        if ON_GPU:  # cvt.rn.satfinite rounds to nearest even onto the grid (as grid_magnitude does); NaN stays NaN
+            codes = fp8_cast_bits(with_sign_of(tl.where(finite, f, float("nan")), x), IS_E4M3)
         else:
-            mag = fp8_bits(grid_magnitude(f, MAN_BITS, MIN_EXP, FMAX), IS_E4M3)
-        sign = ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
-        nan_code: tl.constexpr = 0x7F if IS_E4M3 else 0x7E
-        codes = tl.where(finite | (mask == 0), mag | sign, nan_code)
-        tl.store(codes_ptr + offs, codes.to(tl.uint8), mask=mask)
+            q = with_sign_of(grid_magnitude(tl.where(finite, f, 0.0), MAN_BITS, MIN_EXP, FMAX), x)
+            codes = fp8_bits(tl.where(finite | (mask == 0), q, float("nan")), IS_E4M3)
+        tl.store(codes_ptr + offs, codes, mask=mask)
 
     @triton.jit
     def _adamw_kernel(
         ptrs, dims, blocks, step_size_ptr, bc2_sqrt_ptr, decay_ptr, grad_scale_ptr, found_inf_ptr,
         decay, one_minus_beta1, beta2, one_minus_beta2, eps,
         PARAM_DTYPE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
-        M_E4M3: tl.constexpr, M_MAN: tl.constexpr, M_MINEXP: tl.constexpr, M_MAX: tl.constexpr, M_MINN: tl.constexpr,
+        M_E4M3: tl.constexpr, M_MAN: tl.constexpr, M_MINEXP: tl.constexpr, M_MAX: tl.constexpr, M_SPAN: tl.constexpr,
         M_INV: tl.constexpr,
-        V_E4M3: tl.constexpr, V_MAN: tl.constexpr, V_MINEXP: tl.constexpr, V_MAX: tl.constexpr, V_MINN: tl.constexpr,
+        V_E4M3: tl.constexpr, V_MAN: tl.constexpr, V_MINEXP: tl.constexpr, V_MAX: tl.constexpr, V_SPAN: tl.constexpr,
         V_INV: tl.constexpr,
         QUANT: tl.constexpr, EXPANSION: tl.constexpr, SQRT_V: tl.constexpr, AMSGRAD: tl.constexpr,
         MAXIMIZE: tl.constexpr, DECAY_IS_PTR: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
@@ -136,7 +129,9 @@ if HAVE_TRITON:
         vs_ptr = tl.load(row_ptrs + 5).to(tl.pointer_type(tl.float32))
 
         step_size = tl.load(step_size_ptr + tensor)  # lr / (1 - beta1^t), computed on the device
-        bc2_sqrt = tl.load(bc2_sqrt_ptr + tensor)
+        inv_bc2_sqrt = tl.load(bc2_sqrt_ptr + tensor)  # 1 / sqrt(1 - beta2^t)
+        if HAS_GRAD_SCALE:
+            inv_grad_scale = 1.0 / tl.load(grad_scale_ptr)
         if DECAY_IS_PTR:  # 1 - lr * weight_decay, computed on the device for a Tensor lr
             decay = tl.load(decay_ptr)
         if AMSGRAD:
@@ -162,7 +157,7 @@ if HAVE_TRITON:
             p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             if HAS_GRAD_SCALE:
-                g = fast_div(g, tl.load(grad_scale_ptr))
+                g = g * inv_grad_scale
             if MAXIMIZE:
                 g = -g
 
@@ -182,21 +177,23 @@ if HAVE_TRITON:
                 else:
                     v_max = tl.maximum(v_max, v)
                     sqrt_v_used = tl.sqrt(v_max)
-            denom = fast_div(sqrt_v_used, bc2_sqrt) + eps
-            p = p * decay - step_size * fast_div(m, denom)
+            denom = sqrt_v_used * inv_bc2_sqrt + eps
+            p = p * decay - step_size * (m * fast_rcp(denom, ON_GPU))
             store_as(p_ptr + offs, p, mask, PARAM_DTYPE)
 
-            _encode(m, m_ptr, ms_ptr, offs, mask, gid, gmask, EXPANSION, M_E4M3, M_MAN, M_MINEXP, M_MAX, M_MINN, QUANT,
+            _encode(m, m_ptr, ms_ptr, offs, mask, gid, gmask, EXPANSION, M_E4M3, M_MAN, M_MINEXP, M_MAX, M_SPAN, QUANT,
                     ON_GPU)
             if SQRT_V and QUANT:
                 v = sqrt_v
-            _encode(v, v_ptr, vs_ptr, offs, mask, gid, gmask, EXPANSION, V_E4M3, V_MAN, V_MINEXP, V_MAX, V_MINN, QUANT,
+            _encode(v, v_ptr, vs_ptr, offs, mask, gid, gmask, EXPANSION, V_E4M3, V_MAN, V_MINEXP, V_MAX, V_SPAN, QUANT,
                     ON_GPU)
             if AMSGRAD:
-                _encode(v_max, vm_ptr, vms_ptr, offs, mask, gid, gmask, EXPANSION, V_E4M3, V_MAN, V_MINEXP, V_MAX, V_MINN,
+                _encode(v_max, vm_ptr, vms_ptr, offs, mask, gid, gmask, EXPANSION, V_E4M3, V_MAN, V_MINEXP, V_MAX, V_SPAN,
                         QUANT, ON_GPU)
 
     N_PTRS_C = tl.constexpr(N_PTRS)
+    K_STEPS_C = tl.constexpr(K_STEPS)
+    K_MASK_C = tl.constexpr(K_MASK)
 
 
 class _Plan:
@@ -246,7 +243,8 @@ def _tables(batch, layout, block_g: int) -> _Plan:
 def _format_args(name: str, prefix: str) -> dict:
     fmt = get_format(name)
     return {f"{prefix}_E4M3": fmt.name == "e4m3", f"{prefix}_MAN": fmt.man_bits, f"{prefix}_MINEXP": fmt.min_normal_exp,
-            f"{prefix}_MAX": fmt.max, f"{prefix}_MINN": fmt.min_normal, f"{prefix}_INV": inv_max(fmt)}
+            f"{prefix}_MAX": fmt.max, f"{prefix}_SPAN": math.log2(fmt.max / expansion_floor(fmt)),
+            f"{prefix}_INV": inv_max(fmt)}
 
 
 def fused_adamw_step(batch, *, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, grad_scale=None, found_inf=None):
@@ -275,11 +273,11 @@ def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_de
     lr_is_tensor = isinstance(lr, torch.Tensor)
     lr_t = lr.to(dev, torch.float32) if lr_is_tensor else lr
     step_size = (lr_t / (1 - beta1 ** step_t)).float().contiguous()
-    bc2_sqrt = (1 - beta2 ** step_t).sqrt().contiguous()
+    inv_bc2_sqrt = (1 - beta2 ** step_t).rsqrt().contiguous()
     decay = (1 - lr_t * weight_decay).reshape(1).contiguous() if lr_is_tensor else 1 - lr * weight_decay
     dummy = step_t
     _adamw_kernel[(plan.n_blocks,)](
-        plan.ptrs, plan.dims, plan.blocks, step_size, bc2_sqrt, decay if lr_is_tensor else dummy,
+        plan.ptrs, plan.dims, plan.blocks, step_size, inv_bc2_sqrt, decay if lr_is_tensor else dummy,
         grad_scale.to(dev, torch.float32) if grad_scale is not None else dummy,
         found_inf if found_inf is not None else dummy,
         0.0 if lr_is_tensor else decay, 1 - beta1, beta2, 1 - beta2, eps,

@@ -36,15 +36,21 @@ def with_sign_of(mag, x):
 
 
 @triton.jit
-def fp8_bits(q, IS_E4M3: tl.constexpr):
-    """fp32 grid values (or NaN) -> uint8 fp8 bit patterns; NaN becomes 0x7F (E4M3) / 0x7E (E5M2) like torch."""
+def fp8_cast_bits(q, IS_E4M3: tl.constexpr):
+    """fp32 -> uint8 fp8 bit patterns by the hardware cast (exact for grid values; on the GPU it also rounds
+    to nearest even and saturates, and NaN stays NaN)."""
     if IS_E4M3:
-        b = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        nan_code = 0x7F
+        return q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
-        b = q.to(tl.float8e5).to(tl.uint8, bitcast=True)
-        nan_code = 0x7E
-    return tl.where(q != q, nan_code, b).to(tl.uint8)
+        return q.to(tl.float8e5).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def fp8_bits(q, IS_E4M3: tl.constexpr):
+    """fp32 grid values (or NaN) -> uint8 fp8 bit patterns; NaN becomes 0x7F (E4M3) / 0x7E (E5M2) like torch,
+    on every backend (the interpreter's cast gets NaN wrong)."""
+    nan_code: tl.constexpr = 0x7F if IS_E4M3 else 0x7E
+    return tl.where(q != q, nan_code, fp8_cast_bits(q, IS_E4M3)).to(tl.uint8)
 
 
 @triton.jit
@@ -77,7 +83,7 @@ def store_as(ptr, x, mask, DTYPE: tl.constexpr):
 def fast_log2(x, ON_GPU: tl.constexpr):
     """log2 by the GPU's one-instruction approximation (tl.log2 calls a longer accurate routine)."""
     if ON_GPU:
-        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
     else:
         return tl.log2(x)
 
@@ -85,12 +91,15 @@ def fast_log2(x, ON_GPU: tl.constexpr):
 @triton.jit
 def fast_exp2(x, ON_GPU: tl.constexpr):
     if ON_GPU:
-        return tl.inline_asm_elementwise("ex2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
     else:
         return tl.exp2(x)
 
 
 @triton.jit
-def fast_div(a, b):
-    """a / b without IEEE rounding (div.full.f32: within 2 ulp); Triton's '/' is the slower IEEE division."""
-    return tl.fdiv(a, b, ieee_rounding=False)
+def fast_rcp(x, ON_GPU: tl.constexpr):
+    """1 / x by the GPU's one-instruction approximation (Triton's '/' is the slower IEEE division)."""
+    if ON_GPU:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return 1.0 / x

@@ -17,7 +17,7 @@ LPOPTIM_DEFAULTS = dict(
     group_size=128,
     min_quant_numel=4096,
     expansion=True,
-    sqrt_exp_avg_sq=True,
+    sqrt_exp_avg_sq=False,
 )
 
 
@@ -34,8 +34,8 @@ class AdamW(Optimizer):
     - ``exp_avg_format`` / ``exp_avg_sq_format``: "e4m3" (default) or "e5m2".
     - ``group_size`` (128): elements per scale, along the last dimension (so FSDP2 shards keep whole groups).
     - ``min_quant_numel`` (4096): smaller tensors (norms, biases) keep fp32 moments.
-    - ``expansion`` (True): COAT's dynamic range expansion, k in {1, 2, 4, 8} per group.
-    - ``sqrt_exp_avg_sq`` (True): store sqrt(v) rather than v.
+    - ``expansion`` (True): COAT's dynamic range expansion (per-group k, halves the rounding error).
+    - ``sqrt_exp_avg_sq`` (False): store sqrt(v) rather than v (measured: no better; benchmarks/state_quant_error.py).
 
     ``foreach`` is accepted and has no effect. ``fused``: None picks the fused Triton kernel for CUDA tensors
     and the pure-torch reference elsewhere; True demands the kernel; False always uses the reference.

@@ -27,7 +27,7 @@ class StateLayout:
     exp_avg_sq_format: str = "e4m3"
     group_size: int = 128
     expansion: bool = True
-    sqrt_v: bool = True
+    sqrt_v: bool = False
 
     def format_of(self, name: str) -> FloatFormat:
         return get_format(self.exp_avg_format if name == "exp_avg" else self.exp_avg_sq_format)
