@@ -1,5 +1,12 @@
-"""lpoptim: low-bit full-parameter transformer training (FP8 optimizer states, FP8 activations, low-bit GEMMs)."""
+"""lpoptim: low-bit full-parameter transformer training.
+
+    opt = lpoptim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)   # FP8 moments, replaces torch.optim.AdamW
+    lpoptim.compress_activations(model.layers)                          # saved activations in FP8
+    lpoptim.convert_linears(model, recipe="fp8")                        # or "fp4", "int4": low-bit GEMMs
+"""
+from .activations import compress_activations, restore_activations
+from .nn import LowBitLinear, convert_linears
 from .optim import AdamW, state_bytes
 
-__all__ = ["AdamW", "state_bytes"]
+__all__ = ["AdamW", "state_bytes", "compress_activations", "restore_activations", "convert_linears", "LowBitLinear"]
 __version__ = "0.1.0"
