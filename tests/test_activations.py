@@ -62,8 +62,9 @@ def _min_cos(a, b):
 
 @pytest.mark.parametrize("name", list(BLOCKS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("options", [{}, {"attention": "fp8"}, {"recompute": True}, {"gemm_granularity": "tensor"}],
-                         ids=["default", "attn_fp8", "recompute", "tensorwise"])
+@pytest.mark.parametrize("options", [{}, {"attention": "fp8"}, {"recompute": True}, {"gemm_granularity": "tensor"},
+                                     {"derive": False}],
+                         ids=["default", "attn_fp8", "recompute", "tensorwise", "no_derive"])
 def test_gradients_match_unwrapped(name, dtype, options):
     block, kwargs = BLOCKS[name](dtype)
     x = torch.randn(4, 32, 64, dtype=dtype)
@@ -101,6 +102,33 @@ def test_saves_less_than_bf16(name):
     assert results["{'attention': 'fp8'}"] < 0.8  # fp8 codes + scales vs bf16 (tiny shapes: relatively more scales)
     assert results["{}"] < 1.0
     assert results["{'recompute': True}"] < 0.1
+
+
+def test_llama_saved_bytes_against_bf16():
+    """HF LlamaDecoderLayer at d=256: the fractions of bf16 eager's saved bytes the 7B target asks for
+    (500 / 1457 = 0.34 with attention in FP8). Measured: 0.376 default, 0.294 attention fp8, 0.638 without
+    derive, 0.027 recompute."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_attention_heads=4,
+                                   num_key_value_heads=4, num_hidden_layers=1, max_position_embeddings=128,
+                                   vocab_size=32)
+    cfg._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(cfg, 0).bfloat16()
+    cos, sin = LlamaRotaryEmbedding(cfg)(torch.zeros(1, 128, 256, dtype=torch.bfloat16), torch.arange(128)[None])
+    x = torch.randn(2, 128, 256, dtype=torch.bfloat16, requires_grad=True)
+    kw = {"position_embeddings": (cos, sin)}
+    with record_saved(layer) as base:
+        layer(x, **kw)
+    ratio = {}
+    for name, opts in {"default": {}, "attn_fp8": {"attention": "fp8"}, "no_derive": {"derive": False},
+                       "recompute": {"recompute": True}}.items():
+        with compress_activations(layer, **opts) as handle, handle.record() as stats:
+            layer(x, **kw)
+        ratio[name] = stats.stored_bytes / base.stored_bytes
+    assert ratio["default"] < 0.42 and ratio["attn_fp8"] < 0.33 and ratio["no_derive"] < 0.7, ratio
+    assert ratio["recompute"] < 0.05, ratio
 
 
 def test_restore_gives_back_the_original_behaviour():
@@ -195,7 +223,8 @@ def test_lowbit_params_small_and_duplicates_are_left_alone():
     for r in stats.records:
         counts[r.kind] = counts.get(r.kind, 0) + 1
     assert counts["lowbit"] == 2  # the fp8 and uint8 codes, untouched
-    assert counts["duplicate"] == 1
+    assert counts["duplicate"] >= 1  # h saved twice by h * h (and rsqrt's output, saved by rsqrt and mul)
+    assert counts["derived"] >= 1  # s * t and its flattened view for F.linear: replayed in backward
     assert counts["parameter"] >= 3  # w twice and the buffer
     assert counts["small"] >= 1
     assert all(r.stored == 0 for r in stats.records if r.kind in ("parameter", "duplicate"))

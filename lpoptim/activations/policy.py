@@ -43,6 +43,8 @@ class ActivationPolicy:
     recompute: save only the block's inputs (in FP8, groups of ``group_size``) and run the block again in
         backward: an FP8 activation checkpoint.
     unknown: granularity for tensors saved by an op the tracker cannot name ("group" or "row").
+    derive: replay cheap element-wise results (SiLU's output, a norm's output, dtype casts, views) in backward
+        from tensors already held, instead of saving them (derive.py).
     """
 
     fmt: FloatFormat | str = E4M3
@@ -52,6 +54,7 @@ class ActivationPolicy:
     min_numel: int = 4096
     recompute: bool = False
     unknown: str = "group"
+    derive: bool = True
 
     def __post_init__(self):
         fmt = get_format(self.fmt)
