@@ -329,7 +329,8 @@ def main(argv=None):
         if "error" in row:
             print(f"{name:<34}  error: {row['error'][:80]}")
             continue
-        f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        def f(v, spec):
+            return format(v, spec) if v is not None else format("-", ">" + spec.split(".")[0])
         print(f"{name:<34}{f(row['saved_mib'], '10.1f')}{f(row['hooks_mib'], '10.1f')}"
               f"{f(row.get('saved_vs_target'), '7.2f')}{f(row['peak_mib'], '10.1f')}{row['ms']:9.2f}"
               f"{f(row.get('time_vs_bf16_eager'), '9.3f')}{row['floor_ms']:9.2f}")

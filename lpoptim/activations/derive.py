@@ -9,7 +9,7 @@ While a wrapped block runs, ``OpTracker`` attaches a ``Source`` to the output of
 (deterministic, element-wise or layout-only): the function, its non-tensor arguments, and weak references to its
 tensor arguments with their version counters. When autograd saves such an output, ``derive`` tries to express it
 through things that are held anyway: tensors already packed in this forward, parameters and buffers, small
-tensors, constants from outside the block (rotary tables, masks), or other derivable tensors (a few levels deep).
+tensors, constants passed to the block (rotary tables, masks), or other derivable tensors (a few levels deep).
 If every argument resolves, what is saved is a ``Derived``: no bytes of its own; backward calls the function on
 the unpacked arguments. Otherwise the tensor is packed as usual. Version counters must match at every step, so an
 in-place change after use is never replayed from a stale copy.
@@ -85,13 +85,16 @@ def _held_or_cheap(ctx, a: torch.Tensor):
         return a  # a parameter or buffer: the module holds it
     if a.numel() < ctx.policy.min_numel:
         return a.detach()  # tiny (norm statistics): holding it costs nothing worth counting
-    if is_constant(a):
+    if is_constant(ctx, a):
         return a.detach()  # from outside the block (rotary table, mask): held by the model anyway
     return None
 
 
-def is_constant(a: torch.Tensor) -> bool:
-    return not a.requires_grad and a.grad_fn is None and getattr(a, _SRC, None) is None
+def is_constant(ctx, a: torch.Tensor) -> bool:
+    """Passed to the block without needing grad (or a view of such a tensor): the caller holds it."""
+    if a.requires_grad:
+        return False
+    return id(a) in ctx.constant_ids or (a._base is not None and id(a._base) in ctx.constant_ids)
 
 
 def remember(token, t: torch.Tensor, held) -> None:

@@ -8,7 +8,7 @@ running, so that ``pack`` knows which op is saving the tensor and can pick its g
 Rules ``pack`` applies, in order:
 1. non-float dtypes (codes a low-bit linear saved: uint8, int8, fp8) and tensor subclasses are left alone;
 2. parameters and buffers of the block, and views of them, are left alone (the module holds them anyway), and
-   so are constants: leaf tensors that do not require grad (rotary tables, masks, an input that needs no grad);
+   so are constants: tensors passed to the block that need no grad (rotary tables, masks), and views of them;
 3. a tensor already packed in this forward (same storage address, offset, shape, strides, dtype and version
    counter, and the first one's base tensor still alive, so the address cannot have been reused) shares the
    first packed copy;
@@ -25,6 +25,7 @@ import weakref
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from .codec import COMPRESSIBLE_DTYPES, PackedActivation, pack, packed_nbytes
 from .derive import DERIVABLE_OPS, derive, held, is_constant, record, remember
@@ -78,8 +79,13 @@ def module_storage_ptrs(module: torch.nn.Module) -> set[int]:
 class PackContext:
     """One forward of one wrapped block: hooks in, a dedupe table, records into ``stats`` when given."""
 
-    def __init__(self, module: torch.nn.Module, policy: ActivationPolicy, stats: SavedStats | None = None):
+    def __init__(self, module: torch.nn.Module, policy: ActivationPolicy, stats: SavedStats | None = None,
+                 inputs=()):
         self.policy = policy
+        # Tensors handed to the block that need no grad (rotary tables, masks): the caller holds them, so they
+        # are kept by reference, and views of them too. Anything else without grad was made inside the block
+        # (e.g. by a custom autograd Function or a compiled graph) and is packed like any activation.
+        self.constant_ids = {id(t) for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and not t.requires_grad}
         self.stats = stats
         self.param_ptrs = module_storage_ptrs(module)
         self.token = object()  # identifies this forward: Sources and notes from other forwards are ignored
@@ -98,6 +104,7 @@ class PackContext:
         self.tracker.ctx = None
         self._hooks.__exit__(*exc)
         self.seen.clear()  # the packed copies live on in the graph; the table only served this forward
+        self.constant_ids.clear()
         self.kept_storages.clear()
         self._hooks = None  # it holds self.pack: drop it so the context is freed without the cycle collector
         return False
@@ -143,7 +150,7 @@ class PackContext:
             return t
         if t.dtype not in COMPRESSIBLE_DTYPES:
             return self._keep("other", t)
-        if is_constant(t):
+        if is_constant(self, t):
             return self._keep("constant", t)  # from outside the block (rotary table, mask): held anyway
         key = (sptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version)
         hit = held(self.token, t)

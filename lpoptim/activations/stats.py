@@ -7,7 +7,8 @@ Kinds of saved tensors (one record per tensor autograd asked to save):
 - ``lowbit``: already low-bit (uint8/int8/fp8 codes a low-bit linear saved) or another non-float dtype: kept.
 - ``small``: fewer than ``min_numel`` elements, or not smaller once packed: kept.
 - ``other_dtype``: a float dtype lpoptim does not pack (float64): kept.
-- ``constant``: a leaf tensor that does not require grad (rotary tables, masks): kept by reference.
+- ``constant``: passed to the block without needing grad (rotary tables, masks), or a view of it: kept by
+  reference (the caller holds it).
 - ``parameter``: a parameter or buffer (or a view of one): held by the module anyway, costs nothing here.
 - ``duplicate``: the same tensor saved again by another op: shares the first copy, costs nothing.
 - ``derived``: replayed in backward from tensors already held (a cheap element-wise op): costs nothing.

@@ -125,7 +125,7 @@ class _WrappedForward:
             return self.original(*args, **kwargs)  # nothing is saved: nothing to do
         if policy.recompute:
             return fp8_checkpoint(self.original, self.module, args, kwargs, policy, stats)
-        with PackContext(self.module, policy, stats):
+        with PackContext(self.module, policy, stats, inputs=(args, kwargs)):
             return self.original(*args, **kwargs)
 
     def __deepcopy__(self, memo):
