@@ -82,6 +82,14 @@ def round_half_even(y: torch.Tensor) -> torch.Tensor:
     return torch.round(y)
 
 
+def floor_plus_noise(y: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """``floor(y + noise)`` without rounding the sum: in fp32 ``y + noise`` can round up to the next integer
+    (8 + (1 - 2^-24) is 9.0), which moved values already on the grid off it (and biased every other value by
+    up to 2^-21 of a grid step). ``y - floor(y)`` is exact, and so is ``1 - frac`` for ``|y| >= 1``."""
+    r = torch.floor(y)
+    return torch.where(noise >= 1.0 - (y - r), r + 1.0, r)  # inf - inf = NaN compares false: inf stays inf
+
+
 def _grid_spacing(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     """Spacing of ``fmt``'s grid at magnitude ``a`` (a power of two), from fp32 exponent bits."""
     bits = a.view(torch.int32)
@@ -93,18 +101,19 @@ def _grid_spacing(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
 def round_to_grid(x: torch.Tensor, fmt: FloatFormat | IntFormat | str, noise: torch.Tensor | None = None) -> torch.Tensor:
     """Round ``x`` onto ``fmt``'s grid in fp32, saturating at ±max. NaN stays NaN; ±inf saturates.
 
-    ``noise``: uniform samples in [0, 1) of ``x``'s shape for stochastic rounding (``floor(y + u)``, unbiased);
+    ``noise``: uniform samples in [0, 1) of ``x``'s shape for stochastic rounding (``floor(y + u)``, computed
+    exactly: unbiased, and values on the grid stay put);
     ``None`` rounds to nearest, ties to even.
     """
     fmt = get_format(fmt)
     x = x.float()
     if isinstance(fmt, IntFormat):
-        r = round_half_even(x) if noise is None else torch.floor(x + noise)
+        r = round_half_even(x) if noise is None else floor_plus_noise(x, noise)
         return r.clamp(fmt.qmin, fmt.qmax)
     a = x.abs().clamp(max=fmt.max * 2)  # keeps inf out of the arithmetic; saturated below
     spacing = _grid_spacing(a.contiguous(), fmt)
     y = a / spacing  # exact: spacing is a power of two
-    r = round_half_even(y) if noise is None else torch.floor(y + noise)
+    r = round_half_even(y) if noise is None else floor_plus_noise(y, noise)
     q = (r * spacing).clamp(max=fmt.max)
     q = torch.copysign(q, x)
     return torch.where(torch.isnan(x), x, q)

@@ -84,9 +84,11 @@ def _finite_absmax(x: torch.Tensor, dim=None, keepdim=False) -> torch.Tensor:
 
 
 def absmax_scale(amax: torch.Tensor, fmt: FloatFormat | IntFormat) -> torch.Tensor:
-    """Scale that maps ``amax`` to the format's largest value; 1 where amax is 0 (nothing to scale)."""
-    amax = amax.float()
-    return torch.where(amax > 0, amax / fmt.max, torch.ones_like(amax))
+    """Scale that maps ``amax`` to the format's largest value; 1 where amax is 0 (nothing to scale), and also
+    where amax / fmt.max underflows fp32 to 0 (amax below fmt.max * 2^-149): a zero scale would turn the
+    group's zeros into 0/0 = NaN, while with scale 1 its values (all below 2^-140) round to 0."""
+    scale = amax.float() / fmt.max
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
 def quantize(x: torch.Tensor, fmt="e4m3", granularity: str = "tensor", group_size: int = 128,
@@ -152,10 +154,16 @@ def k_of(code: torch.Tensor) -> torch.Tensor:
     return 1.0 + code.float() * (1.0 / K_STEPS)
 
 
+FP32_MIN_NORMAL = 2.0 ** -126
+
+
 def pack_scale(amax: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
-    """fp32 scale = amax with its low mantissa byte replaced by k's code. Groups with amax = 0 store 0."""
+    """fp32 scale = amax with its low mantissa byte replaced by k's code. Groups with amax = 0 store 0, and so
+    do groups whose amax is an fp32 subnormal (below 2^-126): there the low byte is most of the value, not a
+    2^-15 change, and 1/c overflows to inf (0 * inf = NaN for the group's zeros), so such a group is flushed to
+    zero (an absolute error below 2^-126)."""
     bits = (amax.float().contiguous().view(torch.int32) & ~K_MASK) | code
-    return torch.where(amax > 0, bits.view(torch.float32), torch.zeros_like(amax, dtype=torch.float32))
+    return torch.where(amax >= FP32_MIN_NORMAL, bits.view(torch.float32), torch.zeros_like(amax, dtype=torch.float32))
 
 
 def unpack_scale(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ import torch
 from lpoptim.kernels import adamw_step as kernel
 from lpoptim.optim.reference import load_moment, reference_adamw_step
 from lpoptim.optim.state import StateLayout, init_state
+from lpoptim.quant import to_groups
 
 SHAPES = [(48, 256), (5, 200), (1000,), (3, 7, 130), (16, 128)]
 
@@ -47,30 +48,34 @@ def _run(device, dtype, steps=3, amsgrad=False, maximize=False, lr=1e-2, layout=
     return params, ref_p, states, ref_s, layout
 
 
-def _compare(params, ref_p, states, ref_s, layout, code_tol=0.002):
+def _compare(params, ref_p, states, ref_s, layout, code_tol=0.002, scale_tol=0.02):
+    """Kernel and reference agree: step counts exactly; group scales in all but a few groups (the kernel's
+    approximate lg2 can put k on the other side of a grid boundary, a different but equally valid encoding);
+    codes within groups of equal scales but for a few ulp-level ties; decoded moments closely; parameters to a
+    few ulps of the parameter and of the update."""
+    groups = diff_groups = 0
     for p, rp, s, rs in zip(params, ref_p, states, ref_s):
         assert torch.equal(s["step"], rs["step"])
         for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
             if name not in s:
                 continue
-            moved = (s[name] != rs[name]).float().mean().item()
-            if moved > code_tol and layout.quantized:
-                same_scale = (s[name + "_scale"] == rs[name + "_scale"]).float().mean().item()
-                a, b = s[name].view(torch.int8).int(), rs[name].view(torch.int8).int()
-                diff = (a - b).abs()
-                detail = (f"groups with equal scales {same_scale:.2%}; code steps apart: max {int(diff.max())}, "
-                          f"mean over differing {diff[diff > 0].float().mean().item():.2f}; "
-                          f"sample kernel {a.flatten()[diff.flatten() > 0][:6].tolist()} ref {b.flatten()[diff.flatten() > 0][:6].tolist()}")
-            else:
-                detail = ""
-            assert moved <= code_tol, f"{name} {tuple(s[name].shape)}: {moved:.4%} of codes differ. {detail}"
             a, b = load_moment(s, name, layout), load_moment(rs, name, layout)
             rel = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-            assert rel < 5e-3, f"{name}: relative difference {rel}"
+            assert rel < 5e-3, f"{name} {tuple(p.shape)}: relative difference {rel}"
+            if not layout.quantized:
+                continue
+            same = s[name + "_scale"] == rs[name + "_scale"]
+            groups += same.numel()
+            diff_groups += int((~same).sum())
+            codes_a = to_groups(s[name].view(torch.int8).float(), layout.group_size)[same]
+            codes_b = to_groups(rs[name].view(torch.int8).float(), layout.group_size)[same]
+            moved = (codes_a != codes_b).float().mean().item() if codes_a.numel() else 0.0
+            assert moved <= code_tol, f"{name} {tuple(p.shape)}: {moved:.4%} of codes differ in equal-scale groups"
         # the kernel divides by approximate reciprocals: a few ulps of the parameter and of the update (~lr)
         tol = 4 * torch.finfo(p.dtype).eps * (rp.float().abs() + 1e-2)
         close = ((p.float() - rp.float()).abs() <= tol).float().mean().item()
         assert close > 0.999, f"{1 - close:.4%} of parameters differ by more than a few ulps"
+    assert diff_groups <= max(2, scale_tol * groups), f"{diff_groups} of {groups} group scales differ"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

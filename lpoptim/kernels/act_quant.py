@@ -76,7 +76,7 @@ def _quant_groups_kernel(x_ptr, codes_ptr, scale_ptr, total_groups, N, NG,
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(_finite_abs(x), axis=1)
     scale = _scale_of(amax)
-    q = _round_e4m3(tl.div_rn(x, scale[:, None]))
+    q = _round_e4m3(tl.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)))  # triton 3.6: no implicit broadcast here
     tl.store(codes_ptr + offs, _to_code(q), mask=mask)
     tl.store(scale_ptr + gid, scale, mask=gid < total_groups)
 

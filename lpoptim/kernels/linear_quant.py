@@ -82,7 +82,7 @@ def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, R, C, CP, stride_r, str
     for c0 in range(0, CP, BLOCK_C):
         t = _load_tile(x_ptr, h_ptr, rows, c0, R, C, stride_r, stride_c, BLOCK_C, BLOCK_C, HAD, INV_SQRT,
                        BF16_DOT)
-        q = _round_to_grid(tl.math.div_rn(t, scale[:, None]), IS_INT, FMAX, MAN, EMIN, QMIN, QMAX)
+        q = _round_to_grid(tl.math.div_rn(t, tl.broadcast_to(scale[:, None], t.shape)), IS_INT, FMAX, MAN, EMIN, QMIN, QMAX)
         cols = c0 + tl.arange(0, BLOCK_C)
         mask = (rows[:, None] < R) & (cols[None, :] < CP)
         tl.store(out_ptr + rows[:, None] * CP + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=mask)
