@@ -277,6 +277,7 @@ def main(argv=None):
         if device.type == "cuda":
             torch.cuda.empty_cache()
         row = {"floor_ms": round(flop_floor_ms(b, t, d, ff, heads, fp8_gemm), 2)}
+        handle = None
         try:
             run, mod, handle = build()
             params = [p for p in mod.parameters() if p.requires_grad]
@@ -285,12 +286,13 @@ def main(argv=None):
             row |= {"saved_mib": None if saved is None else round(saved, 1),
                     "peak_mib": None if peak is None else round(peak, 1), "ms": round(ms, 3),
                     "first_call_s": round(first, 2), "hooks_mib": round(hm, 1), "hooks_by_kind": kinds}
-            if handle is not None:
-                handle.remove()
-            del run, mod, handle
         except Exception as e:  # noqa: BLE001  (one failing variant must not lose the others)
             row["error"] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
+        finally:  # unwrap even after a failure, or every later variant finds the block still wrapped
+            if handle is not None:
+                handle.remove()
+            handle = run = mod = None
         results[name] = row
         print(name, json.dumps(row), flush=True)
 

@@ -61,7 +61,9 @@ def _compare(params, ref_p, states, ref_s, layout, code_tol=0.002, scale_tol=0.0
                 continue
             a, b = load_moment(s, name, layout), load_moment(rs, name, layout)
             rel = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-            assert rel < 5e-3, f"{name} {tuple(p.shape)}: relative difference {rel}"
+            # a group whose k landed on the other side of a grid boundary is encoded differently (each encoding
+            # within ~1.5% of the value): a tensor of ten groups may then differ by ~0.5%
+            assert rel < 1e-2, f"{name} {tuple(p.shape)}: relative difference {rel}"
             if not layout.quantized:
                 continue
             same = s[name + "_scale"] == rs[name + "_scale"]

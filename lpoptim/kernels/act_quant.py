@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 E4M3_MAX = 448.0
-_RNE_MAGIC = 8388608.0  # 2**23: for 0 <= y < 2**22, (y + 2**23) - 2**23 rounds y to the nearest integer, ties even
+_RNE_MAGIC = tl.constexpr(8388608.0)  # 2**23: for 0 <= y < 2**22, (y + 2**23) - 2**23 rounds y to the nearest integer, ties even
 
 
 @triton.jit
