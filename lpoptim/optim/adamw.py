@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
 from ..formats import FloatFormat, get_format
+from . import distributed as _dist
 from .reference import MOMENTS, load_moment, reference_adamw_step
 from .state import StateLayout, init_state
 
@@ -23,7 +25,7 @@ LPOPTIM_DEFAULTS = dict(
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (FSDP2), or the tensor itself: states always follow the local shard."""
-    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "device_mesh") else t
+    return _dist.local(t)
 
 
 class AdamW(Optimizer):
@@ -116,12 +118,18 @@ class AdamW(Optimizer):
             if p.grad.is_sparse:
                 raise RuntimeError("lpoptim.AdamW does not support sparse gradients")
             param, grad = _local(p), _local(p.grad)
-            layout = StateLayout.for_param(param, group)
+            layout = StateLayout.for_param(p, group)  # the global shape decides, whatever the sharding
             state = self.state[p]
             if len(state) == 0:
-                state.update(init_state(param, layout, group["amsgrad"]))
+                state.update(self._new_state(p, param, layout, group["amsgrad"]))
             elif group["amsgrad"] and "max_exp_avg_sq" not in state:
-                state.update({k: v for k, v in init_state(param, layout, True).items() if k.startswith("max_")})
+                new = self._new_state(p, param, layout, True)
+                state.update({k: v for k, v in new.items() if k.startswith("max_")})
+            if _dist.is_dtensor(p):  # the math runs on the local shard; states are DTensors for DCP
+                state = {k: _local(v) for k, v in state.items()}
+                if param.numel() == 0:  # an empty shard (uneven FSDP2 sharding): only the step count moves
+                    state["step"].add_(1.0 if found_inf is None else (found_inf.to(param.device) == 0).float())
+                    continue
             if group["fused"] is not False and param.device.type == "cuda" and kernel.supports(param, grad, layout):
                 fused_batch.append((param, grad, state, layout))
             elif group["fused"]:
@@ -131,6 +139,11 @@ class AdamW(Optimizer):
                 reference_adamw_step(param, grad, state, layout, grad_scale=grad_scale, found_inf=found_inf, **hyper)
         if fused_batch:
             kernel.fused_adamw_step(fused_batch, grad_scale=grad_scale, found_inf=found_inf, **hyper)
+
+    @staticmethod
+    def _new_state(p, param, layout: StateLayout, amsgrad: bool) -> dict:
+        state = init_state(param, layout, amsgrad)
+        return _dist.wrap_state(p, state, layout) if _dist.is_dtensor(p) else state
 
     # ---- state dicts ---------------------------------------------------------------------------------------
 
@@ -153,9 +166,12 @@ class AdamW(Optimizer):
                 continue
             local = _local(p)
             src = saved["state"][pid]
+            layout = StateLayout.for_param(p, owner[id(p)])
+            if _dist.is_dtensor(p):  # DTensor states (DCP) or a plain checkpoint's global tensors -> local
+                src = _dist.localize_state(p, src, layout)
             state = {k: (v.to(device=local.device) if torch.is_tensor(v) else v) for k, v in src.items()}
-            layout = StateLayout.for_param(local, owner[id(p)])
-            self.state[p] = _convert_state(state, local, layout)
+            state = _convert_state(state, local, layout)
+            self.state[p] = _dist.wrap_state(p, state, layout) if _dist.is_dtensor(p) else state
 
     def torch_state_dict(self) -> dict:
         """This optimizer's state as torch.optim.AdamW would hold it (fp32 moments, dequantized)."""
@@ -167,12 +183,14 @@ class AdamW(Optimizer):
         for pid, p in zip(ids, params):
             if pid not in sd["state"]:
                 continue
-            st = sd["state"][pid]
-            layout = StateLayout.for_param(_local(p), owner[id(p)])
+            st = {k: _local(v) for k, v in sd["state"][pid].items()}
+            layout = StateLayout.for_param(p, owner[id(p)])
             out = {"step": st["step"].detach().clone().to("cpu")}
             for name in MOMENTS:
                 if name in st:
                     out[name] = load_moment(st, name, layout) if "exp_avg_scale" in st else st[name].float().clone()
+            if _dist.is_dtensor(p):  # torch's AdamW holds a DTensor parameter's moments as DTensors
+                out = _dist.wrap_state(p, out, dataclasses.replace(layout, quantized=False))
             out_state[pid] = out
         groups = [{k: v for k, v in g.items() if k not in LPOPTIM_DEFAULTS} for g in sd["param_groups"]]
         for g in groups:
