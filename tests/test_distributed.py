@@ -186,6 +186,21 @@ def _worker(rank: int, init_file: str, out_dir: str, ckpt_1proc: str, snapshot_1
                                  for k in before)
     res["roundtrip_dtensor"] = all(lpdist.is_dtensor(v) for st in opt.state.values()
                                    for k, v in st.items() if k != "step")
+    # full (gathered, plain-tensor) optimizer state dicts: out of FSDP2 and back into a fresh optimizer
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    full_opts = StateDictOptions(full_state_dict=True)
+    full = get_optimizer_state_dict(model, opt, options=full_opts)
+    res["full_sd_plain"] = all(torch.is_tensor(v) and not lpdist.is_dtensor(v)
+                               for st in full["state"].values() for v in st.values())
+    res["full_sd"] = {f"{n}.{k}": v.clone() for n, st in full["state"].items() for k, v in st.items()}
+    snap = state_snapshot(opt, model)
+    opt2 = lpoptim.AdamW(model.parameters(), **OPT)
+    model.zero_grad(set_to_none=True)  # else torch's _init_optim_state leaves the fresh optimizer stateless
+    set_optimizer_state_dict(model, opt2, full, options=full_opts)
+    res["full_sd_reloaded_exact"] = same_states(state_snapshot(opt2, model), snap)
+    del opt2
 
     # FSDP2 with bf16 compute over fp32 sharded masters
     model = _fsdp(make_model(), mesh, mp_policy=True)
@@ -309,6 +324,9 @@ def test_states_follow_local_shards(run):
     assert s0["fc1.weight"]["step"][0] == "Tensor"
     for r in run["ranks"]:
         assert r["roundtrip_equal"] and r["roundtrip_dtensor"]
+        assert r["full_sd_plain"] and r["full_sd_reloaded_exact"]
+        assert r["full_sd"]["fc1.weight.exp_avg"].dtype == torch.uint8
+        assert r["full_sd"]["fc1.weight.exp_avg_scale"].shape == (77, 2)
         assert r["refused"] == [(3, 2, 40), (300,)]
 
 

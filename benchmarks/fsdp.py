@@ -1,0 +1,296 @@
+"""lpoptim.AdamW vs torch.optim.AdamW under FSDP2 with bf16 mixed precision: per-GPU peak memory and tokens/s.
+
+    torchrun --nproc_per_node 2 benchmarks/fsdp.py --out results/fsdp.json          # 2 GPUs (NCCL)
+    torchrun --nproc_per_node 2 benchmarks/fsdp.py --small                          # CPU smoke run (gloo)
+    python -m torch.distributed.run --nproc_per_node 2 benchmarks/fsdp.py --small   # the same without torchrun
+
+A Llama-style decoder in pure torch (RMSNorm, RoPE, grouped-query attention through scaled_dot_product_attention,
+SwiGLU; untied embedding and head; random init, nothing downloaded), built on the meta device and sharded with
+``fully_shard`` per block and at the root: fp32 sharded masters, bf16 compute (MixedPrecisionPolicy, gradients
+reduced in fp32). Shapes: TinyLlama-1.1B (22 layers, d 2048, ffn 5632, 32 heads, 4 kv heads) and Llama-2-7B
+(32 layers, d 4096, ffn 11008, 32 heads), vocab 32000, batch 1 x 2048 tokens per GPU. Each optimizer gets a
+fresh model; after --warmup steps (Triton compilation included there), --steps steps are timed with the
+device synchronized around them. Peak memory is torch.cuda.max_memory_allocated over the whole run of that
+optimizer (model, gradients, states, activations, all-gather buffers), the maximum over ranks; tokens/s is per
+GPU (tokens per GPU per step over the mean step time of the slowest rank). --ac checkpoints each block's
+activations. Targets (issue 6): 7B per-GPU peak <= 0.55x torch AdamW's, tokens/s >= 0.95x.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off, before any process group exists
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import lpoptim  # noqa: E402
+from lpoptim.optim import distributed as lpdist  # noqa: E402
+
+try:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+except ImportError:  # torch < 2.6
+    from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+
+TARGETS = {"peak_ratio_max": 0.55, "tokens_ratio_min": 0.95}
+
+
+@dataclass
+class Config:
+    name: str
+    layers: int
+    dim: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    vocab: int = 32000
+
+
+CONFIGS = {
+    "tinyllama": Config("TinyLlama-1.1B", 22, 2048, 5632, 32, 4),
+    "llama7b": Config("Llama-2-7B", 32, 4096, 11008, 32, 32),
+    "small": Config("small", 2, 128, 352, 4, 2, vocab=512),
+}
+
+
+# ---- the model ---------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rope(seq: int, head_dim: int, device, base: float = 10000.0):
+    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    f = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)
+    f = torch.cat([f, f], -1)
+    return f.cos(), f.sin()
+
+
+def apply_rope(x, cos, sin):
+    x1, x2 = x.chunk(2, -1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class Block(nn.Module):
+    def __init__(self, c: Config):
+        super().__init__()
+        self.heads, self.kv, self.hd = c.heads, c.kv_heads, c.dim // c.heads
+        self.attn_norm, self.mlp_norm = RMSNorm(c.dim), RMSNorm(c.dim)
+        self.wq = nn.Linear(c.dim, c.dim, bias=False)
+        self.wk = nn.Linear(c.dim, c.kv_heads * self.hd, bias=False)
+        self.wv = nn.Linear(c.dim, c.kv_heads * self.hd, bias=False)
+        self.wo = nn.Linear(c.dim, c.dim, bias=False)
+        self.w1 = nn.Linear(c.dim, c.ffn, bias=False)
+        self.w3 = nn.Linear(c.dim, c.ffn, bias=False)
+        self.w2 = nn.Linear(c.ffn, c.dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.wq(h).view(b, s, self.heads, self.hd).transpose(1, 2)
+        k = self.wk(h).view(b, s, self.kv, self.hd).transpose(1, 2)
+        v = self.wv(h).view(b, s, self.kv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kv != self.heads:
+            k = k.repeat_interleave(self.heads // self.kv, 1)
+            v = v.repeat_interleave(self.heads // self.kv, 1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(a.transpose(1, 2).reshape(b, s, -1))
+        h = self.mlp_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, c: Config, ac: bool = False):
+        super().__init__()
+        self.c, self.ac = c, ac
+        self.embed = nn.Embedding(c.vocab, c.dim)
+        self.layers = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.norm = RMSNorm(c.dim)
+        self.head = nn.Linear(c.dim, c.vocab, bias=False)
+        self.rope = None  # (cos, sin), set on the device after materialization (not a buffer: meta-safe)
+
+    def forward(self, tokens):
+        cos, sin = self.rope
+        x = self.embed(tokens)
+        for layer in self.layers:
+            if self.ac and self.training:
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
+        return self.head(self.norm(x))
+
+
+def build(c: Config, seq: int, device: torch.device, mesh, ac: bool) -> Llama:
+    with torch.device("meta"):
+        model = Llama(c, ac)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(1234 + dist.get_rank())
+    with torch.no_grad():  # random init of each local shard: no full tensor ever exists
+        for name, p in model.named_parameters():
+            t = lpdist.local(p)
+            if name.endswith("norm.weight"):
+                t.fill_(1.0)
+            else:
+                t.normal_(0.0, 0.02, generator=gen)
+    model.rope = rope(seq, c.dim // c.heads, device)
+    return model
+
+
+# ---- one optimizer's run -----------------------------------------------------------------------------------
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_one(opt_name: str, c: Config, args, device, mesh) -> dict:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model = build(c, args.seq, device, mesh, args.ac)
+    params = list(model.parameters())
+    if opt_name == "lpoptim":
+        opt = lpoptim.AdamW(params, lr=1e-4, weight_decay=0.1)
+    else:
+        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
+    gen = torch.Generator(device=device).manual_seed(99 + dist.get_rank())
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        tokens = torch.randint(0, c.vocab, (args.batch, args.seq + 1), device=device, generator=gen)
+        sync(device)
+        t0 = time.perf_counter()
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(device)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    n_params = sum(p.numel() for p in params)
+    state_local = sum(lpdist.local(t).numel() * t.element_size() for st in opt.state.values()
+                      for t in st.values() if torch.is_tensor(t))
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    step_s = sum(times) / len(times)
+    stats = torch.tensor([peak, step_s, state_local], dtype=torch.float64, device=device)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the worst rank: memory and time
+    del model, opt, params
+    gc.collect()
+    return {
+        "optimizer": opt_name,
+        "params": n_params,
+        "peak_gib_per_gpu": stats[0].item() / 2**30 if device.type == "cuda" else None,
+        "state_gib_per_gpu": stats[2].item() / 2**30,
+        "step_s": stats[1].item(),
+        "tokens_per_s_per_gpu": args.batch * args.seq / stats[1].item(),
+        "losses": losses,
+        "finite": all(math.isfinite(x) for x in losses),
+    }
+
+
+# ---- main --------------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="tinyllama,llama7b", help="comma list of: " + ",".join(CONFIGS))
+    ap.add_argument("--optimizers", default="torch,lpoptim")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--ac", action="store_true", help="activation checkpointing per block")
+    ap.add_argument("--small", action="store_true", help="CPU smoke run: gloo, a tiny model, 64 tokens")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.small:
+        args.models, args.seq, args.steps, args.warmup = "small", 64, 3, 1
+
+    use_cuda = torch.cuda.is_available() and not args.small
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(device.type, (world,))
+
+    results = []
+    for key in args.models.split(","):
+        c = CONFIGS[key]
+        runs = {}
+        for opt_name in args.optimizers.split(","):
+            try:
+                runs[opt_name] = run_one(opt_name, c, args, device, mesh)
+            except torch.cuda.OutOfMemoryError as e:  # report, go on with the next
+                runs[opt_name] = {"optimizer": opt_name, "error": f"OOM: {str(e).splitlines()[0]}"}
+                gc.collect()
+                torch.cuda.empty_cache()
+        entry = {"model": asdict(c), "runs": runs}
+        t, lp = runs.get("torch", {}), runs.get("lpoptim", {})
+        if t.get("peak_gib_per_gpu") and lp.get("peak_gib_per_gpu"):
+            entry["peak_ratio"] = lp["peak_gib_per_gpu"] / t["peak_gib_per_gpu"]
+        if t.get("tokens_per_s_per_gpu") and lp.get("tokens_per_s_per_gpu"):
+            entry["tokens_ratio"] = lp["tokens_per_s_per_gpu"] / t["tokens_per_s_per_gpu"]
+        results.append(entry)
+
+    if rank == 0:
+        meta = {"world_size": world, "device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
+                "torch": torch.__version__, "batch_per_gpu": args.batch, "seq": args.seq, "steps": args.steps,
+                "warmup": args.warmup, "activation_checkpointing": args.ac, "mixed_precision": "bf16 / fp32 reduce",
+                "targets": TARGETS}
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+        print(f"\nFSDP2 x{world} ({meta['device']}), bf16 compute, batch {args.batch} x {args.seq} per GPU, "
+              f"AC {'on' if args.ac else 'off'}")
+        print(f"{'model':16s} {'optimizer':9s} {'peak GiB/GPU':>12s} {'states MiB/GPU':>14s} {'tok/s/GPU':>10s} "
+              f"{'step ms':>8s}")
+        for e in results:
+            for r in e["runs"].values():
+                if "error" in r:
+                    print(f"{e['model']['name']:16s} {r['optimizer']:9s} {r['error']}")
+                    continue
+                peak = f"{r['peak_gib_per_gpu']:.2f}" if r["peak_gib_per_gpu"] is not None else "n/a"
+                print(f"{e['model']['name']:16s} {r['optimizer']:9s} {peak:>12s} {1024 * r['state_gib_per_gpu']:14.2f} "
+                      f"{r['tokens_per_s_per_gpu']:10.0f} {1e3 * r['step_s']:8.1f}")
+            if "peak_ratio" in e or "tokens_ratio" in e:
+                pr, tr = e.get("peak_ratio"), e.get("tokens_ratio")
+                print(f"{'':16s} lpoptim/torch: peak {pr if pr is None else f'{pr:.3f}'} "
+                      f"(target <= {TARGETS['peak_ratio_max']}), tokens/s "
+                      f"{tr if tr is None else f'{tr:.3f}'} (target >= {TARGETS['tokens_ratio_min']})")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
