@@ -178,7 +178,8 @@ def run_one(opt_name: str, c: Config, args, device, mesh) -> dict:
     if opt_name == "lpoptim":
         opt = lpoptim.AdamW(params, lr=1e-4, weight_decay=0.1)
     else:
-        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
+        impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[args.torch_impl]
+        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **impl)
     gen = torch.Generator(device=device).manual_seed(99 + dist.get_rank())
     times, losses = [], []
     for step in range(args.warmup + args.steps):
@@ -226,6 +227,9 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--torch-impl", choices=["default", "foreach", "fused"], default="default",
+                    help="torch AdamW's implementation (default: torch's choice, foreach on CUDA; its step holds "
+                         "fp32 temporaries the size of the parameter shard, fused does not)")
     ap.add_argument("--ac", action="store_true", help="activation checkpointing per block")
     ap.add_argument("--small", action="store_true", help="CPU smoke run: gloo, a tiny model, 64 tokens")
     ap.add_argument("--out", type=Path, default=None)
@@ -266,13 +270,13 @@ def main(argv=None):
     if rank == 0:
         meta = {"world_size": world, "device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
                 "torch": torch.__version__, "batch_per_gpu": args.batch, "seq": args.seq, "steps": args.steps,
-                "warmup": args.warmup, "activation_checkpointing": args.ac, "mixed_precision": "bf16 / fp32 reduce",
+                "warmup": args.warmup, "activation_checkpointing": args.ac, "torch_impl": args.torch_impl, "mixed_precision": "bf16 / fp32 reduce",
                 "targets": TARGETS}
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
         print(f"\nFSDP2 x{world} ({meta['device']}), bf16 compute, batch {args.batch} x {args.seq} per GPU, "
-              f"AC {'on' if args.ac else 'off'}")
+              f"AC {'on' if args.ac else 'off'}, torch AdamW {args.torch_impl}")
         print(f"{'model':16s} {'optimizer':9s} {'peak GiB/GPU':>12s} {'states MiB/GPU':>14s} {'tok/s/GPU':>10s} "
               f"{'step ms':>8s}")
         for e in results:

@@ -216,6 +216,23 @@ def _worker(rank: int, init_file: str, out_dir: str, ckpt_1proc: str, snapshot_1
     res["resumed_1to2_exact"] = same_states(state_snapshot(opt, model), torch.load(snapshot_1proc))
     res["resumed_1to2"] = [dist_step(model, opt, s, rank) for s in range(SAVE_AT, STEPS)]
 
+    # a plain, non-distributed opt.state_dict() (global tensors) straight into lpoptim's load_state_dict
+    model = _fsdp(make_model(), mesh)
+    opt = lpoptim.AdamW(model.parameters(), **OPT)
+    opt.load_state_dict(torch.load(Path(out_dir) / "plain_state_dict.pt", weights_only=True))
+    res["plain_sd_exact"] = same_states(state_snapshot(opt, model), torch.load(snapshot_1proc))
+    res["plain_sd_dtensor"] = all(lpdist.is_dtensor(v) for st in opt.state.values()
+                                  for k, v in st.items() if k != "step")
+    # DTensor states placed otherwise (replicated) are redistributed to the parameter's placements
+    from torch.distributed.tensor import Replicate
+
+    sd = opt.state_dict()
+    sd["state"] = {i: {k: (v.redistribute(mesh, [Replicate()]) if lpdist.is_dtensor(v) else v)
+                       for k, v in st.items()} for i, st in sd["state"].items()}
+    opt = lpoptim.AdamW(model.parameters(), **OPT)
+    opt.load_state_dict(sd)
+    res["replicated_sd_exact"] = same_states(state_snapshot(opt, model), torch.load(snapshot_1proc))
+
     # groups that would straddle a shard boundary are refused
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -251,6 +268,7 @@ def pipeline() -> dict:
                 dcp_save(model, opt, tmp / "ckpt_1proc")
                 snapshot = state_snapshot(opt, model)
                 torch.save(snapshot, tmp / "snapshot_1proc.pt")
+                torch.save(opt.state_dict(), tmp / "plain_state_dict.pt")
             ref.append(single_step(model, opt, s))
         model = make_model()
         opt = lpoptim.AdamW(model.parameters(), **OPT)
@@ -340,6 +358,8 @@ def test_dcp_2_ranks_to_1_process_continues(run):
 def test_dcp_1_process_to_2_ranks_continues(run):
     for r in run["ranks"]:
         assert r["resumed_1to2_exact"]  # each rank's shards gathered: the saved states, bit for bit
+        assert r["plain_sd_exact"] and r["plain_sd_dtensor"]  # a plain state dict, each rank takes its piece
+        assert r["replicated_sd_exact"]
         assert r["resumed_1to2"] == pytest.approx(run["ref"][SAVE_AT:], rel=0, abs=1e-6)
 
 
