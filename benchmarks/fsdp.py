@@ -122,9 +122,12 @@ class Block(nn.Module):
 class Llama(nn.Module):
     def __init__(self, c: Config, ac: bool = False):
         super().__init__()
-        self.c, self.ac = c, ac
+        self.c = c
         self.embed = nn.Embedding(c.vocab, c.dim)
         self.layers = nn.ModuleList(Block(c) for _ in range(c.layers))
+        if ac:  # as torchtitan: the checkpoint inside each block, FSDP2's hooks outside it
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+            self.layers = nn.ModuleList(checkpoint_wrapper(b) for b in self.layers)
         self.norm = RMSNorm(c.dim)
         self.head = nn.Linear(c.dim, c.vocab, bias=False)
         self.rope = None  # (cos, sin), set on the device after materialization (not a buffer: meta-safe)
@@ -133,10 +136,7 @@ class Llama(nn.Module):
         cos, sin = self.rope
         x = self.embed(tokens)
         for layer in self.layers:
-            if self.ac and self.training:
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin)
+            x = layer(x, cos, sin)
         return self.head(self.norm(x))
 
 

@@ -186,6 +186,15 @@ def _worker(rank: int, init_file: str, out_dir: str, ckpt_1proc: str, snapshot_1
                                  for k in before)
     res["roundtrip_dtensor"] = all(lpdist.is_dtensor(v) for st in opt.state.values()
                                    for k, v in st.items() if k != "step")
+    tsd = opt.torch_state_dict()  # torch AdamW's layout: fp32 moments, DTensors like the parameters
+    res["torch_sd"] = {i: {k: (type(v).__name__, str(v.dtype), tuple(v.shape)) for k, v in st.items()}
+                       for i, st in tsd["state"].items()}
+    opt_t = lpoptim.AdamW(model.parameters(), **OPT)  # torch's layout back in: quantized on load
+    for g in tsd["param_groups"]:  # torch's groups replace lpoptim's, whose options fall back to the defaults
+        g.update(min_quant_numel=OPT["min_quant_numel"], group_size=OPT["group_size"])
+    opt_t.load_state_dict(tsd)
+    res["torch_sd_reloaded"] = state_summary(opt_t, model)
+    del opt_t
     # full (gathered, plain-tensor) optimizer state dicts: out of FSDP2 and back into a fresh optimizer
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
@@ -343,6 +352,9 @@ def test_states_follow_local_shards(run):
     for r in run["ranks"]:
         assert r["roundtrip_equal"] and r["roundtrip_dtensor"]
         assert r["full_sd_plain"] and r["full_sd_reloaded_exact"]
+        assert r["torch_sd"][3]["exp_avg"] == ("DTensor", "torch.float32", (77, 48))  # fc1.weight
+        assert r["torch_sd"][3]["step"][0] == "Tensor"
+        assert r["torch_sd_reloaded"] == r["fsdp_states"]  # same types, dtypes, global and local shapes
         assert r["full_sd"]["fc1.weight.exp_avg"].dtype == torch.uint8
         assert r["full_sd"]["fc1.weight.exp_avg_scale"].shape == (77, 2)
         assert r["refused"] == [(3, 2, 40), (300,)]

@@ -187,7 +187,9 @@ class AdamW(Optimizer):
             layout = StateLayout.for_param(p, owner[id(p)])
             out = {"step": st["step"].detach().clone().to("cpu")}
             for name in MOMENTS:
-                if name in st:
+                if name in st and st[name].numel() == 0:  # an empty shard (uneven FSDP2 sharding)
+                    out[name] = torch.zeros(st[name].shape, dtype=torch.float32, device=st[name].device)
+                elif name in st:
                     out[name] = load_moment(st, name, layout) if "exp_avg_scale" in st else st[name].float().clone()
             if _dist.is_dtensor(p):  # torch's AdamW holds a DTensor parameter's moments as DTensors
                 out = _dist.wrap_state(p, out, dataclasses.replace(layout, quantized=False))
@@ -226,7 +228,9 @@ def _convert_state(state: dict, param: torch.Tensor, layout: StateLayout) -> dic
         return out
     out = {"step": step}
     for name in MOMENTS:
-        if name in state:
+        if name in state and param.numel() == 0:  # an empty shard (uneven FSDP2 sharding): nothing to convert
+            out.update({k: v for k, v in init_state(param, layout, True).items() if k in (name, name + "_scale")})
+        elif name in state:
             source = dataclasses.replace(layout, quantized=quantized_in)
             value = load_moment(state, name, source)
             out.update(encode_moment(name, value.to(param.device), layout))
