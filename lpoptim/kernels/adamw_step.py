@@ -85,7 +85,7 @@ if HAVE_TRITON:
             code = tl.minimum(tl.maximum(tl.floor((k - 1.0) * K_STEPS_C), 0.0), K_MASK_C * 1.0).to(tl.int32)
             code = tl.where(valid, code, 0)
         c = ((amax.to(tl.int32, bitcast=True) & ~K_MASK_C) | code).to(tl.float32, bitcast=True)
-        c = tl.where(amax > 0, c, 0.0)
+        c = tl.where(amax >= 1.1754943508222875e-38, c, 0.0)  # fp32 subnormal absmax: flushed, as quant.pack_scale
         tl.store(scale_ptr + gid, c, mask=gmask)
         inv_c = tl.div_rn(1.0, tl.where(c > 0, c, 1.0))  # once per group, as the reference
         t = tl.minimum(a * inv_c, 1.0)
