@@ -53,7 +53,9 @@ def _to_code(q):
 
 @triton.jit
 def _scale_of(amax):
-    return tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
+    # as quant.absmax_scale: 1 where amax / 448 is 0 (amax zero or too small), else a zero scale gives 0/0
+    scale = tl.div_rn(amax, 448.0)
+    return tl.where(scale > 0, scale, 1.0)
 
 
 @triton.jit
