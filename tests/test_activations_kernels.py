@@ -106,11 +106,17 @@ def test_gpu_kernels_match_reference():
             ref = quantize(x, "e4m3", gran, 16, to_dtype=True)
             if gran == "group":
                 codes, scales = act_quant.quantize_groups(x, 16)
-                assert torch.equal(scales, ref.scale)
+                want = ref.scale
             else:
                 codes, scales = act_quant.quantize_rows(x)
-                assert torch.equal(scales, ref.scale.flatten())
-            assert torch.equal(codes, ref.values.view(torch.uint8))
+                want = ref.scale.flatten()
+            bad = (scales != want).nonzero()
+            assert len(bad) == 0, (f"{dtype} {gran}: {len(bad)} scales differ, e.g. at {bad[:3].tolist()}: "
+                                   f"{scales[tuple(bad[0])].item()!r} vs {want[tuple(bad[0])].item()!r}")
+            bad = (codes != ref.values.view(torch.uint8)).nonzero()
+            assert len(bad) == 0, (f"{dtype} {gran}: {len(bad)} codes differ, e.g. at {bad[:3].tolist()}: "
+                                   f"x={x[tuple(bad[0])].item()!r} {codes[tuple(bad[0])].item()} vs "
+                                   f"{ref.values.view(torch.uint8)[tuple(bad[0])].item()}")
             assert _same(act_quant.dequantize(codes, scales, gran, 16, dtype), ref.dequantize().to(dtype))
 
 
