@@ -87,7 +87,9 @@ def absmax_scale(amax: torch.Tensor, fmt: FloatFormat | IntFormat) -> torch.Tens
     """Scale that maps ``amax`` to the format's largest value; 1 where amax is 0 (nothing to scale), and also
     where amax / fmt.max underflows fp32 to 0 (amax below fmt.max * 2^-149): a zero scale would turn the
     group's zeros into 0/0 = NaN, while with scale 1 its values (all below 2^-140) round to 0."""
-    scale = amax.float() / fmt.max
+    # divided in float64 and rounded once: the correctly rounded fp32 quotient, what the kernels' div_rn gives
+    # (torch's fp32 tensor / python-scalar multiplies by the reciprocal and can be an ulp off)
+    scale = (amax.double() / fmt.max).float()
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
