@@ -1,13 +1,9 @@
 """The Triton pack/unpack kernels compute the pure-torch reference's bits (CPU, TRITON_INTERPRET=1).
 
-The kernel module is loaded here as a private copy while TRITON_INTERPRET=1 is set, so its kernels run in the
-interpreter on CPU tensors without switching any other module's kernels (on a GPU machine) to the interpreter.
+conftest.py switches Triton to its interpreter on machines without CUDA, before any kernel is defined; on a GPU
+machine the CPU-tensor tests here are skipped and test_gpu_kernels_match_reference runs the compiled kernels.
 """
 from __future__ import annotations
-
-import importlib.util
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,23 +12,14 @@ from lpoptim.quant import quantize
 
 triton = pytest.importorskip("triton")
 
-_PATH = Path(__file__).resolve().parents[1] / "lpoptim" / "kernels" / "act_quant.py"
-
 
 @pytest.fixture(scope="module")
 def K():
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        spec = importlib.util.spec_from_file_location("_act_quant_interpreted", _PATH)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-    return mod
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test: the compiled kernels are checked by test_gpu_kernels_match_reference")
+    from lpoptim.kernels import act_quant
+
+    return act_quant
 
 
 def _hard_input(shape, dtype, seed=0):

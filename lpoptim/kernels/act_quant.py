@@ -22,23 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
+from .grid import grid_magnitude, with_sign_of
+
 E4M3_MAX = 448.0
-_RNE_MAGIC = tl.constexpr(8388608.0)  # 2**23: for 0 <= y < 2**22, (y + 2**23) - 2**23 rounds y to the nearest integer, ties even
 
 
 @triton.jit
 def _round_e4m3(y):
-    """fp32 -> fp32 on the E4M3 grid, as formats.round_to_grid(y, E4M3) (NaN stays NaN, +-inf saturates)."""
-    a = tl.minimum(tl.abs(y), 2 * 448.0)  # keeps inf out of the arithmetic
-    bits = a.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127
-    e = tl.maximum(e, -6) - 3  # E4M3: smallest normal exponent -6, 3 mantissa bits
-    spacing = ((e + 127) << 23).to(tl.float32, bitcast=True)
-    r = tl.div_rn(a, spacing)  # exact: a power of two
-    r = (r + _RNE_MAGIC) - _RNE_MAGIC
-    q = tl.minimum(r * spacing, 448.0)
-    q = tl.where(y < 0, -q, q)
-    q = tl.where((y == 0) & ((y.to(tl.int32, bitcast=True) >> 31) != 0), -0.0, q)  # keep -0 as -0 (copysign)
+    """fp32 -> fp32 on the E4M3 grid, as formats.round_to_grid(y, E4M3) (NaN stays NaN, +-inf saturates).
+    The sign is put back on the bits: on the GPU -q of 0 is +0, and torch.copysign keeps -0."""
+    q = with_sign_of(grid_magnitude(tl.abs(y), 3, -6, 448.0), y)
     return tl.where(y != y, y, q)
 
 
