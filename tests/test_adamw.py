@@ -303,8 +303,9 @@ def test_switch_from_and_to_torch_adamw():
     o1 = torch.optim.AdamW(m1.parameters(), lr=1e-2)
     train(m1, o1, 10)
     m2.load_state_dict(m1.state_dict())
-    o2 = lpoptim.AdamW(m2.parameters(), lr=1e-2, min_quant_numel=1024)
+    o2 = lpoptim.AdamW(m2.parameters(), lr=1e-2, min_quant_numel=1024, group_size=64)
     o2.load_state_dict(o1.state_dict())  # quantizes torch's fp32 moments
+    assert o2.param_groups[0]["min_quant_numel"] == 1024 and o2.param_groups[0]["group_size"] == 64
     st = o2.state[m2[0].weight]
     assert st["exp_avg"].dtype == torch.uint8
     layout = StateLayout.for_param(m2[0].weight, o2.param_groups[0])

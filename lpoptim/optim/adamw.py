@@ -153,9 +153,12 @@ class AdamW(Optimizer):
         torch's base class casts floating state to each parameter's dtype; lpoptim restores every state
         tensor's saved dtype afterwards (scales and fp32 moments must never pass through bf16)."""
         saved = copy.deepcopy(state_dict)
+        # torch replaces each group with the saved one: a torch AdamW state dict has none of lpoptim's options,
+        # and those must stay what this optimizer was built with, not fall back to the defaults
+        own_options = [{k: g[k] for k in LPOPTIM_DEFAULTS} for g in self.param_groups]
         super().load_state_dict(state_dict)
-        for group in self.param_groups:
-            for k, v in LPOPTIM_DEFAULTS.items():
+        for group, options in zip(self.param_groups, own_options):
+            for k, v in options.items():
                 group.setdefault(k, v)
             _check_group(group)
         saved_ids = [i for g in saved["param_groups"] for i in g["params"]]
