@@ -89,7 +89,7 @@ class AdamW(Optimizer):
         super().__setstate__(state)
         for group in self.param_groups:
             for k, v in LPOPTIM_DEFAULTS.items():
-                group.setdefault(k, v)
+                group.setdefault(k, self.defaults.get(k, v))
 
     # ---- the step ------------------------------------------------------------------------------------------
 
@@ -157,9 +157,10 @@ class AdamW(Optimizer):
         # and those must stay what this optimizer was built with, not fall back to the defaults
         own_options = [{k: g[k] for k in LPOPTIM_DEFAULTS} for g in self.param_groups]
         super().load_state_dict(state_dict)
-        for group, options in zip(self.param_groups, own_options):
+        for group, options, saved_group in zip(self.param_groups, own_options, saved["param_groups"]):
             for k, v in options.items():
-                group.setdefault(k, v)
+                if k not in saved_group:
+                    group[k] = v
             _check_group(group)
         saved_ids = [i for g in saved["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
