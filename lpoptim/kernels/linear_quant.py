@@ -21,25 +21,16 @@ from ..formats import FloatFormat, IntFormat, get_format
 from ..nn.hadamard import hadamard_pm1, inv_sqrt
 from ..nn.operands import container_dtype
 from ..quant import absmax_scale
-
-_RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5·2^23: (y + M) - M rounds |y| < 2^22 to the nearest integer, ties to even
-
+from .grid import grid_magnitude, round_half_even, with_sign_of
 
 @triton.jit
 def _round_to_grid(y, IS_INT: tl.constexpr, FMAX: tl.constexpr, MAN: tl.constexpr, EMIN: tl.constexpr,
                    QMIN: tl.constexpr, QMAX: tl.constexpr):
+    """formats.round_to_grid in fp32, with the shared helpers of kernels/grid.py."""
     if IS_INT:
-        r = (y + _RNE_MAGIC) - _RNE_MAGIC
-        q = tl.minimum(tl.maximum(r, QMIN), QMAX)
+        q = tl.minimum(tl.maximum(round_half_even(y), QMIN), QMAX)
     else:
-        a = tl.minimum(tl.abs(y), 2.0 * FMAX)
-        e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        e = tl.maximum(e, EMIN) - MAN
-        spacing = ((e + 127) << 23).to(tl.float32, bitcast=True)
-        inv_spacing = ((127 - e) << 23).to(tl.float32, bitcast=True)  # exact: a power of two
-        r = ((a * inv_spacing) + _RNE_MAGIC) - _RNE_MAGIC
-        q = tl.minimum(r * spacing, FMAX)
-        q = tl.where(y < 0, -q, q)
+        q = with_sign_of(grid_magnitude(tl.abs(y), MAN, EMIN, FMAX), y)
     return q
 
 
