@@ -1,12 +1,19 @@
 """The lpoptim command line.
 
     lpoptim train [--preset tiny|shakespeare] [--runs torch,lpoptim,...] [--steps N] [--out DIR]
+    lpoptim bench [--preset tiny|tinyllama-1.1b|llama2-7b|llama2-13b] [--batch B] [--seq S] [--recipes ...]
+                  [--steps N] [--compile] [--out DIR]
 
 ``train`` trains the small GPT on the bundled tinyshakespeare (or --text FILE) once per run, same seed, data and
 schedule, and prints final train/val loss and optimizer-state memory side by side; it writes JSON and a PNG of
 the loss curves into --out. Runs: torch (torch.optim.AdamW), lpoptim (lpoptim.AdamW), lpoptim+fp8 / +fp4 / +int4
 (low-bit linears), lpoptim+fp8+act (and FP8 activations). The preset defaults to tiny on the CPU (about a
 minute) and to nanoGPT's shakespeare-char recipe on a GPU.
+
+``bench`` times one training step of a Llama-shaped model (random init) under each recipe: bf16 (torch AdamW),
+lpoptim, lpoptim+act, lpoptim+fp8+act / +fp4+act / +int4+act, and bnb / torchao where importable; it prints
+peak memory by component and tokens/s, and writes bench.json and bench.png into --out. The preset defaults to
+tiny on the CPU and tinyllama-1.1b on a GPU.
 """
 from __future__ import annotations
 
@@ -115,6 +122,28 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_bench(args, argv) -> int:
+    import shlex
+
+    from . import bench
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    preset = args.preset or ("tinyllama-1.1b" if device == "cuda" else "tiny")
+    batch, seq = bench.DEFAULT_SHAPE[preset]
+    recipes = args.recipes.split(",")
+    for name in recipes:
+        if name not in bench.STACKS:
+            raise SystemExit(f"unknown recipe {name!r}; choose from {','.join(bench.STACKS)}")
+    print(f"lpoptim bench: {preset}, {args.batch or batch} x {args.seq or seq} tokens, {device}", file=sys.stderr)
+    report = bench.run(preset, recipes, args.batch or batch, args.seq or seq, args.steps, args.warmup, device,
+                       compile_blocks=args.compile, log=lambda s: print(s, file=sys.stderr, flush=True))
+    report["command"] = shlex.join(["python", "-m", "lpoptim", *argv])
+    paths = bench.write(report, Path(args.out))
+    print("\n" + bench.table(report))
+    print("wrote " + " and ".join(str(p) for p in paths))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="lpoptim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -126,7 +155,22 @@ def main(argv=None) -> int:
     t.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", default="results", help="folder for train.json and train_loss.png")
+    b = sub.add_parser("bench", help="memory and tokens/s of one training step of a Llama-shaped model per recipe")
+    b.add_argument("--preset", choices=["tiny", "tinyllama-1.1b", "llama2-7b", "llama2-13b"],
+                   help="model shape (default: tiny on CPU, tinyllama-1.1b on GPU)")
+    b.add_argument("--batch", type=int, help="sequences per step (default: tiny 2, tinyllama 4, 7B/13B 1)")
+    b.add_argument("--seq", type=int, help="tokens per sequence (default: tiny 64, others 2048)")
+    b.add_argument("--recipes", default="bf16,lpoptim,lpoptim+act,lpoptim+fp8+act,lpoptim+fp4+act,lpoptim+int4+act,bnb,torchao",
+                   help="comma-separated subset of the default")
+    b.add_argument("--steps", type=int, default=5, help="timed steps (median), after --warmup")
+    b.add_argument("--warmup", type=int, default=2, help="untimed steps first (kernel compilation, state allocation)")
+    b.add_argument("--compile", action="store_true", help="torch.compile each decoder block")
+    b.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    b.add_argument("--out", default="results", help="folder for bench.json and bench.png")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
+    if args.cmd == "bench":
+        return cmd_bench(args, argv)
     return cmd_train(args)
 
 

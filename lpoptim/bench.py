@@ -1,0 +1,345 @@
+"""``lpoptim bench``: one training step of a Llama-shaped model under each stack; memory and tokens/s.
+
+Every stack trains the same randomly initialised model (lpoptim/train/llama.py) on the same random tokens with
+bf16 autocast and fp32 master parameters; a step is zero_grad, forward, backward, optimizer step (no clipping).
+
+Stacks: ``bf16`` (torch AdamW, fused on CUDA), ``lpoptim`` (lpoptim.AdamW), ``lpoptim+act`` (and
+compress_activations on every block), ``lpoptim+fp8+act`` / ``+fp4+act`` / ``+int4+act`` (and convert_linears),
+``bnb`` (bitsandbytes AdamW8bit) and ``torchao`` (torchao float8 linears + AdamWFp8), the last two on CUDA only.
+
+Memory, per stack: parameters, gradients and optimizer states are sums of their tensors' bytes. On CUDA
+``peak`` is torch.cuda.max_memory_allocated over the timed steps and ``activations`` is what the forward pass
+left allocated (memory_allocated after the loss minus before the forward). On the CPU there is no allocator
+peak: ``activations`` is the bytes of the tensors autograd saved, and ``peak`` is the sum of the four parts
+(an estimate, labelled as such). Speed: median over ``steps`` timed steps after ``warmup`` (CUDA events on a
+GPU, wall clock on the CPU).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .train.llama import PRESETS, Llama, LlamaConfig
+from .train.loop import RunConfig, build_optimizer
+
+
+@dataclass(frozen=True)
+class Stack:
+    optimizer: str  # "torch", "lpoptim", "bnb", "torchao"
+    linears: str | None = None  # convert_linears recipe, or "torchao" (torchao float8 training)
+    compress: bool = False  # compress_activations on every block
+    label: str = ""
+
+
+STACKS = {
+    "bf16": Stack("torch", label="torch AdamW (bf16 autocast, fp32 master)"),
+    "lpoptim": Stack("lpoptim", label="lpoptim.AdamW"),
+    "lpoptim+act": Stack("lpoptim", compress=True, label="lpoptim.AdamW + FP8 activations"),
+    "lpoptim+fp8+act": Stack("lpoptim", "fp8", True, "lpoptim.AdamW + fp8 linears + FP8 act."),
+    "lpoptim+fp4+act": Stack("lpoptim", "fp4", True, "lpoptim.AdamW + fp4 linears + FP8 act."),
+    "lpoptim+int4+act": Stack("lpoptim", "int4", True, "lpoptim.AdamW + int4 linears + FP8 act."),
+    "bnb": Stack("bnb", label="bitsandbytes AdamW8bit"),
+    "torchao": Stack("torchao", "torchao", label="torchao float8 linears + AdamWFp8"),
+}
+
+# (batch, seq) when not given on the command line
+DEFAULT_SHAPE = {"tiny": (2, 64), "tinyllama-1.1b": (4, 2048), "llama2-7b": (1, 2048), "llama2-13b": (1, 2048)}
+
+PARTS = ("params", "grads", "states", "activations")
+
+
+def unavailable(name: str, device: str) -> str | None:
+    """Why stack ``name`` cannot run here (None: it can)."""
+    if name == "bnb":
+        try:
+            import bitsandbytes  # noqa: F401
+        except Exception as e:  # noqa: BLE001  (ImportError, or a broken CUDA setup)
+            return f"bitsandbytes not importable ({type(e).__name__}: {e})"
+        return None if device == "cuda" else "bitsandbytes AdamW8bit needs CUDA"
+    if name == "torchao":
+        try:
+            from torchao.float8 import convert_to_float8_training  # noqa: F401
+            from torchao.optim import AdamWFp8  # noqa: F401
+        except Exception as e:  # noqa: BLE001
+            return f"torchao not importable ({type(e).__name__}: {e})"
+        if device != "cuda":
+            return "torchao float8 needs CUDA"
+        if torch.cuda.get_device_capability() < (8, 9):
+            return "torchao float8 needs compute capability >= 8.9"
+    return None
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes held by a tensor; a tensor subclass (torchao's quantized states) counts its inner tensors."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
+    from .optim import AdamW, state_bytes
+
+    if isinstance(opt, AdamW):
+        return int(state_bytes(opt)["total_bytes"])
+    seen, total = set(), 0
+    for st in opt.state.values():
+        for v in st.values():
+            if torch.is_tensor(v) and id(v) not in seen:  # bitsandbytes shares its quantization maps
+                seen.add(id(v))
+                total += tensor_bytes(v)
+    return total
+
+
+def build(stack: Stack, cfg: LlamaConfig, device: str, compile_blocks: bool):
+    """The model and optimizer of one stack, on ``device``."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Llama(cfg)
+    if stack.linears == "torchao":
+        from torchao.float8 import convert_to_float8_training
+
+        convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn != "lm_head")
+    elif stack.linears:
+        from .nn import convert_linears
+
+        convert_linears(model, stack.linears)
+    if compile_blocks:
+        for i, block in enumerate(model.layers):
+            model.layers[i] = torch.compile(block)
+    handle = None
+    if stack.compress:
+        from .activations import compress_activations
+
+        handle = compress_activations(model.layers)
+    groups, lr, betas = model.param_groups(0.1), 1e-4, (0.9, 0.95)
+    if stack.optimizer in ("torch", "lpoptim"):
+        options = dict(fused=True) if stack.optimizer == "torch" and device == "cuda" else {}
+        opt = build_optimizer(RunConfig(optimizer=stack.optimizer, lr=lr, betas=betas, weight_decay=0.1,
+                                        optimizer_options=options), model)
+    elif stack.optimizer == "bnb":
+        import bitsandbytes as bnb
+
+        opt = bnb.optim.AdamW8bit(groups, lr=lr, betas=betas)
+    elif stack.optimizer == "torchao":
+        from torchao.optim import AdamWFp8
+
+        opt = AdamWFp8(groups, lr=lr, betas=betas)
+    else:
+        raise ValueError(f"unknown optimizer {stack.optimizer!r}")
+    return model, opt, handle
+
+
+def saved_bytes(model, handle, fwd) -> tuple[object, int]:
+    """Run ``fwd()`` and count the bytes autograd saved for backward (the CPU's activation figure)."""
+    from .activations import record_saved
+
+    if handle is None:
+        with record_saved(model) as stats:
+            out = fwd()
+        return out, stats.stored_bytes
+    with record_saved(model) as outer, handle.record() as inner:  # inside wrapped blocks, their hooks win
+        out = fwd()
+    return out, outer.stored_bytes + inner.stored_bytes
+
+
+def run_stack(stack: Stack, cfg: LlamaConfig, batch: int, seq: int, steps: int, warmup: int, device: str,
+              compile_blocks: bool) -> dict:
+    cuda = device == "cuda"
+    model, opt, handle = build(stack, cfg, device, compile_blocks)
+    gen = torch.Generator(device=device).manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device, generator=gen)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    mem = {}
+
+    def forward():
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return model(x, y)[1]
+
+    def step(measure: bool):
+        opt.zero_grad(set_to_none=True)
+        if measure and not cuda:
+            loss, mem["activations"] = saved_bytes(model, handle, forward)
+        elif measure:
+            before = torch.cuda.memory_allocated()
+            loss = forward()
+            mem["activations"] = torch.cuda.memory_allocated() - before
+        else:
+            loss = forward()
+        loss.backward()
+        if measure:
+            mem["grads"] = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+        opt.step()
+        return loss
+
+    for i in range(warmup):
+        step(measure=i == warmup - 1)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for _ in range(steps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            losses.append(step(False).detach())
+            end.record()
+            times.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            losses.append(step(False).detach())
+            times.append(time.perf_counter() - t0)
+    if cuda:
+        torch.cuda.synchronize()
+        times = [s.elapsed_time(e) / 1e3 for s, e in times]
+    mem["params"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    mem["states"] = optimizer_state_bytes(opt)
+    n_params = sum(p.numel() for p in model.parameters())
+    seconds = statistics.median(times)
+    if cuda:
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = sum(mem[k] for k in PARTS)
+    return dict(peak_bytes=int(peak), **{f"{k}_bytes": int(mem[k]) for k in PARTS}, params=n_params,
+                state_bytes_per_param=mem["states"] / n_params, step_seconds=seconds,
+                tokens_per_s=batch * seq / seconds, loss=float(losses[-1]))
+
+
+def free_memory():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run(preset: str, recipes: list[str], batch: int, seq: int, steps: int, warmup: int, device: str,
+        compile_blocks: bool = False, log=print) -> dict:
+    """Benchmark each recipe in turn; returns the dict written to bench.json."""
+    cfg = PRESETS[preset]
+    steps, warmup = max(1, steps), max(1, warmup)  # the last warm-up step is the one that measures memory
+    results = []
+    for name in recipes:
+        stack = STACKS[name]
+        row = dict(recipe=name, label=stack.label)
+        why = unavailable(name, device)
+        if why:
+            log(f"  {name}: skipped, {why}")
+            results.append(dict(row, skipped=why))
+            continue
+        log(f"  {name}: {stack.label} ...")
+        free_memory()
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if device == "cuda" else 0
+        try:
+            out = run_stack(stack, cfg, batch, seq, steps, warmup, device, compile_blocks)
+            out["peak_bytes"] -= base
+            row.update(out)
+        except torch.cuda.OutOfMemoryError:
+            row["error"] = "out of memory"
+        except Exception as e:  # noqa: BLE001  (one broken stack must not lose the others' figures)
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        if "error" in row:
+            log(f"  {name}: {row['error']}")
+        free_memory()
+        results.append(row)
+    env = dict(device=device, gpu=torch.cuda.get_device_name() if device == "cuda" else None,
+               torch=torch.__version__, triton=_triton_version())
+    return dict(env=env, preset=preset, model=asdict(cfg), batch=batch, seq=seq, steps=steps, warmup=warmup,
+                compile=compile_blocks, peak_measured=device == "cuda", results=results)
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+
+        return triton.__version__
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def table(report: dict) -> str:
+    """The markdown table printed last."""
+    cuda = report["peak_measured"]
+    unit, div = ("GiB", 2**30) if cuda else ("MiB", 2**20)
+    peak_name = f"peak {unit}" if cuda else f"peak {unit} (est.)"
+    env, m = report["env"], report["model"]
+    base = next((r for r in report["results"] if "tokens_per_s" in r), None)
+    lines = [
+        f"{report['preset']} (Llama-style: {m['n_layer']} layers, d {m['d_model']}, ffn {m['ffn_dim']}, "
+        f"{m['n_head']}/{m['n_kv_head']} heads, vocab {m['vocab_size']}), batch {report['batch']} x {report['seq']}, "
+        f"bf16 autocast, fp32 master, {'blocks compiled' if report['compile'] else 'eager'}; "
+        f"median of {report['steps']} steps after {report['warmup']} warm-up",
+        f"device: {env['gpu'] or 'CPU'}, torch {env['torch']}, triton {env['triton']}",
+        f"command: {report.get('command', '')}",
+    ]
+    if not cuda:
+        lines.append("CPU: no allocator peak; every figure is a sum of tensor bytes, activations = bytes autograd "
+                     "saved, peak (est.) = params + grads + states + activations")
+    cols = ["recipe", peak_name, "params", "grads", "opt states", "activations", "state B/param", "tokens/s",
+            f"vs {base['recipe'] if base else 'first'}"]
+    lines += ["", "| " + " | ".join(cols) + " |", "|---|" + "---:|" * (len(cols) - 1)]
+    for r in report["results"]:
+        if "tokens_per_s" not in r:
+            note = r.get("skipped") and f"skipped: {r['skipped']}" or r.get("error", "")
+            lines.append(f"| {r['recipe']} | {note} |" + " |" * (len(cols) - 2))
+            continue
+        cells = [f"{r[k + '_bytes'] / div:.2f}" for k in ("peak", *PARTS)]
+        rel = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x tok/s, {r['peak_bytes'] / base['peak_bytes']:.2f}x mem"
+        lines.append(f"| {r['recipe']} | " + " | ".join(cells) +
+                     f" | {r['state_bytes_per_param']:.2f} | {r['tokens_per_s']:,.0f} | {rel} |")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> bool:
+    """bench.png: memory stacked by component (peak marked) and tokens/s, one bar per recipe that ran."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [r for r in report["results"] if "tokens_per_s" in r]
+    if not rows:
+        return False
+    cuda = report["peak_measured"]
+    unit, div = ("GiB", 2**30) if cuda else ("MiB", 2**20)
+    names = [r["recipe"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    bottom = [0.0] * len(rows)
+    for part in PARTS:
+        vals = [r[f"{part}_bytes"] / div for r in rows]
+        ax1.bar(names, vals, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    if cuda:
+        ax1.scatter(names, [r["peak_bytes"] / div for r in rows], marker="_", s=900, color="black", zorder=3,
+                    label="measured peak (max_memory_allocated)")
+    ax1.set_ylabel(unit)
+    ax1.set_title("memory by component" + ("" if cuda else " (CPU: tensor bytes, estimate)"))
+    ax1.legend(fontsize=8)
+    ax2.bar(names, [r["tokens_per_s"] for r in rows], color="tab:gray")
+    ax2.set_ylabel("tokens/s")
+    ax2.set_title(f"training throughput ({report['env']['gpu'] or 'CPU'})")
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", rotation=30)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"{report['preset']}, batch {report['batch']} x {report['seq']}, torch {report['env']['torch']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write(report: dict, out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "bench.json"]
+    paths[0].write_text(json.dumps(report, indent=1))
+    if plot(report, out_dir / "bench.png"):
+        paths.append(out_dir / "bench.png")
+    return paths

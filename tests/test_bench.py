@@ -1,0 +1,55 @@
+"""lpoptim bench on the CPU (tiny preset) and the Llama model it times."""
+import json
+
+import torch
+
+from lpoptim.__main__ import main
+from lpoptim.bench import STACKS
+from lpoptim.train.llama import PRESETS, Llama
+
+
+def test_bench_tiny_cpu(tmp_path, capsys):
+    assert main(["bench", "--preset", "tiny", "--steps", "1", "--warmup", "1", "--device", "cpu",
+                 "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    rows = {r["recipe"]: r for r in report["results"]}
+    assert list(rows) == list(STACKS)  # every recipe is in the JSON, run or skipped with a reason
+    for name in ("bf16", "lpoptim", "lpoptim+act", "lpoptim+fp8+act", "lpoptim+fp4+act", "lpoptim+int4+act"):
+        r = rows[name]
+        assert "error" not in r, r
+        for key in ("peak_bytes", "params_bytes", "grads_bytes", "states_bytes", "activations_bytes", "tokens_per_s"):
+            assert r[key] > 0, (name, key)
+    for name in ("bnb", "torchao"):  # CUDA-only competitors: skipped on the CPU, with the reason
+        assert rows[name].get("skipped") or rows[name].get("tokens_per_s", 0) > 0
+    ratio = rows["lpoptim"]["states_bytes"] / rows["bf16"]["states_bytes"]
+    assert 0.22 < ratio < 0.30, ratio  # 2.06 bytes per parameter instead of 8
+    assert rows["lpoptim+act"]["activations_bytes"] < 0.7 * rows["lpoptim"]["activations_bytes"]
+    out = capsys.readouterr().out
+    assert "| lpoptim+act |" in out and "command: python -m lpoptim bench --preset tiny" in out
+    assert (tmp_path / "bench.png").exists()
+
+
+def test_llama_loss_decreases():
+    torch.manual_seed(0)
+    cfg = PRESETS["tiny"]
+    model = Llama(cfg)
+    opt = torch.optim.AdamW(model.param_groups(0.1), lr=3e-3)
+    tokens = torch.randint(0, cfg.vocab_size, (4, 33), generator=torch.Generator().manual_seed(0))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    losses = []
+    for _ in range(8):
+        _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert abs(losses[0] - torch.log(torch.tensor(float(cfg.vocab_size))).item()) < 0.3  # starts near uniform
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_llama_gqa_shapes():
+    cfg = PRESETS["tiny"]
+    model = Llama(cfg)
+    assert cfg.n_kv_head < cfg.n_head and model.layers[0].attn.k_proj.out_features == cfg.n_kv_head * cfg.head_dim
+    logits, loss = model(torch.randint(0, cfg.vocab_size, (2, 16)))
+    assert logits.shape == (2, 16, cfg.vocab_size) and loss is None
