@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU must check and time, in one call (the device tool runs it from the repository root):
-#   bash benchmarks/run_all.sh [what...]      what: tests optim activations linear train (default: all)
+#   bash benchmarks/run_all.sh [what...]      what: tests optim activations linear train bench (default: the first four)
 # Installs carried wheels (.whl/, bitsandbytes and torchao) into /tmp/site when present, writes JSON under $OUT.
 set -u
 cd "$(dirname "$0")/.."
@@ -22,6 +22,7 @@ for w in $what; do
     activations) [ -f benchmarks/activations.py ] && python3 benchmarks/activations.py --out "$OUT/activations.json" ;;
     linear) [ -f benchmarks/linear.py ] && python3 benchmarks/linear.py --out "$OUT/linear.json" ;;
     train) python3 -m lpoptim train --out "$OUT" ;;
+    bench) python3 -m lpoptim bench --out "$OUT" ;;
     *) python3 $w ;;
   esac
 done
