@@ -22,9 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .grid import grid_magnitude, with_sign_of
+from .grid import absmax_scale, grid_magnitude, with_sign_of
 
-E4M3_MAX = 448.0
 
 
 @triton.jit
@@ -46,9 +45,7 @@ def _to_code(q):
 
 @triton.jit
 def _scale_of(amax):
-    # as quant.absmax_scale: 1 where amax / 448 is 0 (amax zero or too small), else a zero scale gives 0/0
-    scale = tl.div_rn(amax, 448.0)
-    return tl.where(scale > 0, scale, 1.0)
+    return absmax_scale(amax, 448.0)
 
 
 @triton.jit

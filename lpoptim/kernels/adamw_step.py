@@ -18,7 +18,6 @@ round-to-nearest-even. tests/test_adamw_kernel.py states and checks the bound be
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -26,7 +25,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .grid import fast_exp2, fast_log2, fast_rcp, fp8_bits, fp8_cast_bits, fp8_value, grid_magnitude, store_as, with_sign_of
+    from .grid import fast_exp2, fast_log2, fast_rcp, fp8_bits, fp8_cast_bits, fp8_value, grid_magnitude, interpreted, store_as, with_sign_of
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - triton is a dependency, but keep the reference usable without it
     HAVE_TRITON = False
@@ -288,6 +287,6 @@ def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_de
         **_format_args(layout.exp_avg_format, "M"), **_format_args(layout.exp_avg_sq_format, "V"),
         QUANT=layout.quantized, EXPANSION=layout.expansion, SQRT_V=layout.sqrt_v, AMSGRAD=amsgrad, MAXIMIZE=maximize,
         DECAY_IS_PTR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-        LOOP=loop, EVEN_ROWS=even, ON_GPU=os.environ.get("TRITON_INTERPRET") != "1",
+        LOOP=loop, EVEN_ROWS=even, ON_GPU=not interpreted(),
         num_warps=TUNING["num_warps"], enable_fp_fusion=False,  # no fused multiply-adds: round as the reference does
     )

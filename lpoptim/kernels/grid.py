@@ -29,6 +29,32 @@ def grid_magnitude(a, MAN_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FMAX: tl.co
 
 
 @triton.jit
+def absmax_scale(amax, FMAX: tl.constexpr):
+    """quant.absmax_scale: amax / FMAX correctly rounded, or 1 where that is 0 (amax zero or too small to scale)."""
+    scale = tl.div_rn(amax, FMAX + tl.zeros_like(amax))
+    return tl.where(scale > 0, scale, 1.0)
+
+
+@triton.jit
+def round_to_grid(y, IS_INT: tl.constexpr, FMAX: tl.constexpr, MAN: tl.constexpr, EMIN: tl.constexpr,
+                  QMIN: tl.constexpr, QMAX: tl.constexpr):
+    """formats.round_to_grid in fp32: integers QMIN..QMAX, or a float grid (MAN mantissa bits, smallest normal
+    exponent EMIN, largest value FMAX). NaN stays NaN (the GPU's min/max would drop it); -0.0 keeps its sign."""
+    if IS_INT:
+        q = tl.minimum(tl.maximum(round_half_even(y), QMIN), QMAX)
+    else:
+        q = with_sign_of(grid_magnitude(tl.abs(y), MAN, EMIN, FMAX), y)
+    return tl.where(y != y, y, q)
+
+
+def interpreted() -> bool:
+    """Whether Triton runs its CPU interpreter (TRITON_INTERPRET set to anything but 0)."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
 def with_sign_of(mag, x):
     """copysign(mag, x) on the bits (-0.0 keeps its sign, as torch.copysign does)."""
     bits = mag.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)

@@ -11,28 +11,17 @@ Hadamard block only the summation order differs from torch's matmul.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ..formats import FloatFormat, IntFormat, get_format
+from ..formats import IntFormat, get_format
 from ..nn.hadamard import hadamard_pm1, inv_sqrt
 from ..nn.operands import container_dtype
 from ..quant import absmax_scale
-from .grid import grid_magnitude, round_half_even, with_sign_of
-
-@triton.jit
-def _round_to_grid(y, IS_INT: tl.constexpr, FMAX: tl.constexpr, MAN: tl.constexpr, EMIN: tl.constexpr,
-                   QMIN: tl.constexpr, QMAX: tl.constexpr):
-    """formats.round_to_grid in fp32, with the shared helpers of kernels/grid.py."""
-    if IS_INT:
-        q = tl.minimum(tl.maximum(round_half_even(y), QMIN), QMAX)
-    else:
-        q = with_sign_of(grid_magnitude(tl.abs(y), MAN, EMIN, FMAX), y)
-    return q
-
+from .grid import absmax_scale as _absmax_scale
+from .grid import interpreted, round_to_grid
 
 @triton.jit
 def _load_tile(x_ptr, h_ptr, rows, c0, R, C, stride_r, stride_c, HB: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -68,21 +57,15 @@ def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, R, C, CP, stride_r, str
                                   INV_SQRT, BF16_DOT))
             t = tl.where(t < float("inf"), t, 0.0)  # inf and NaN do not set the scale
             amax = tl.maximum(amax, tl.max(t, axis=1))
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, FMAX), 1.0)
+        scale = _absmax_scale(amax, FMAX)
         tl.store(scale_ptr + rows, scale, mask=rows < R)
     for c0 in range(0, CP, BLOCK_C):
         t = _load_tile(x_ptr, h_ptr, rows, c0, R, C, stride_r, stride_c, BLOCK_C, BLOCK_C, HAD, INV_SQRT,
                        BF16_DOT)
-        q = _round_to_grid(tl.math.div_rn(t, tl.broadcast_to(scale[:, None], t.shape)), IS_INT, FMAX, MAN, EMIN, QMIN, QMAX)
+        q = round_to_grid(tl.math.div_rn(t, tl.broadcast_to(scale[:, None], t.shape)), IS_INT, FMAX, MAN, EMIN, QMIN, QMAX)
         cols = c0 + tl.arange(0, BLOCK_C)
         mask = (rows[:, None] < R) & (cols[None, :] < CP)
         tl.store(out_ptr + rows[:, None] * CP + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _interpreted() -> bool:
-    # The interpreter's bf16 tl.dot returns garbage (triton 3.9); its fp32 "ieee" dot computes the same sums
-    # (bf16 -> fp32 and products by ±1 are exact), so under the interpreter bf16 input takes the fp32 path.
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block: int | None = None,
@@ -117,6 +100,7 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
         IS_INT=is_int, FMAX=float(fmt.max), MAN=0 if is_int else fmt.man_bits,
         EMIN=0 if is_int else fmt.min_normal_exp, QMIN=fmt.qmin if is_int else 0, QMAX=fmt.qmax if is_int else 0,
         PER_TENSOR=granularity == "tensor", HAD=had, INV_SQRT=inv_sqrt(hadamard_block) if had else 1.0,
-        BF16_DOT=x.dtype == torch.bfloat16 and not _interpreted(), BLOCK_R=block_r, BLOCK_C=block_c,
+        # the interpreter's bf16 tl.dot returns garbage (triton 3.9); its fp32 'ieee' dot computes the same sums
+        BF16_DOT=x.dtype == torch.bfloat16 and not interpreted(), BLOCK_R=block_r, BLOCK_C=block_c,
     )
     return out, scale
