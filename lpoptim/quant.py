@@ -12,11 +12,13 @@ the relative rounding error of most elements is then about 1/k of the format's. 
 (1 + code/16, an 8-bit code) inside the low mantissa byte of the group's fp32 scale, so a group costs one fp32
 number per moment (2.06 bytes per parameter at G=128, COAT spends three). COAT's faults are avoided: k is
 never below 1 nor unbounded (a constant group gets the largest k, not inf or NaN), the minimum is over non-zero
-finite elements (a zero does not collapse k), and non-finite elements are left out of the group statistics and
-kept as NaN codes, so they never poison their neighbours. benchmarks/state_quant_error.py measures the choice.
+finite elements (a zero does not collapse k), and non-finite elements are left out of the group statistics,
+so they never poison their neighbours: NaN is kept as a NaN code, ±inf saturates to the group's largest code
+(v = g² overflowing fp32 then stays finite, where a NaN would spread into the parameter). benchmarks/state_quant_error.py measures the choice.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -192,6 +194,7 @@ def group_stats(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return amax, amin
 
 
+@functools.cache
 def inv_max(fmt: FloatFormat) -> float:
     """1 / fmt.max rounded to fp32: the decoder multiplies by it (the kernel uses the same constant)."""
     return torch.tensor(1.0 / fmt.max, dtype=torch.float32).item()
@@ -204,17 +207,18 @@ def encode_groups(g: torch.Tensor, fmt: FloatFormat = E4M3, expansion: bool = Tr
     c, code = unpack_scale(scale)
     c = c.unsqueeze(-1)
     inv_c = 1.0 / torch.where(c > 0, c, torch.ones_like(c))  # one division per group (the kernel does the same)
-    t = (g.abs() * inv_c).clamp(max=1.0)  # |x| <= amax <= c (1 + 2^-15): the clamp is the saturation
+    # |x| <= amax <= c (1 + 2^-15): the clamp is the saturation (of +-inf too); a group without a finite
+    # non-zero value (scale 0) encodes everything but NaN as 0
+    t = torch.where(c > 0, (g.abs() * inv_c).clamp(max=1.0), torch.zeros_like(g))
     f = expand(t, code.unsqueeze(-1)) * fmt.max
-    q = torch.copysign(round_to_grid(f, fmt), g)
-    return torch.where(torch.isfinite(g), q, torch.full_like(q, float("nan"))), scale
+    q = torch.copysign(round_to_grid(f, fmt), g)  # +-inf saturates to the group's largest code
+    return torch.where(torch.isnan(g), torch.full_like(q, float("nan")), q), scale
 
 
 def decode_groups(q: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat = E4M3) -> torch.Tensor:
     """Inverse of ``encode_groups``: grid values (R, n, G) and scales (R, n) -> fp32 groups."""
     c, code = unpack_scale(scale)
-    inv = torch.tensor(inv_max(fmt), dtype=torch.float32, device=q.device)
-    t = compress(q.abs().float() * inv, code.unsqueeze(-1))
+    t = compress(q.abs().float() * inv_max(fmt), code.unsqueeze(-1))  # fp32 times an fp32-exact scalar
     return torch.copysign(t * c.unsqueeze(-1), q.float())
 
 

@@ -217,7 +217,22 @@ def test_nan_gradient_element_stays_in_its_element():
     assert bad.sum() == 2
     layout = StateLayout.for_param(p, opt.param_groups[0])
     m = load_moment(opt.state[p], "exp_avg", layout)
-    assert torch.isfinite(m).sum() == m.numel() - 2
+    assert torch.isnan(m).sum() == 1 and torch.isnan(m[3, 17])  # the NaN stays; the inf saturated, finite
+
+
+def test_gradient_whose_square_overflows_keeps_the_parameter_finite():
+    """g = 1e30: v = g^2 overflows fp32 to inf. torch AdamW then updates by m / inf = 0 and stays finite;
+    lpoptim stores inf as its group's largest code (never NaN) and stays finite too."""
+    p = torch.nn.Parameter(torch.randn(8, 256))
+    ref = torch.nn.Parameter(p.detach().clone())
+    opt, ropt = lpoptim.AdamW([p], lr=1e-2, min_quant_numel=1), torch.optim.AdamW([ref], lr=1e-2)
+    for step in range(3):
+        g = torch.randn(8, 256) * 1e-3
+        if step == 0:
+            g[2, 100] = 1e30
+        p.grad, ref.grad = g.clone(), g.clone()
+        opt.step(), ropt.step()
+    assert torch.isfinite(ref).all() and torch.isfinite(p).all()
 
 
 def test_grad_scaler_protocol_skips_and_unscales():

@@ -90,14 +90,15 @@ if HAVE_TRITON:
         c = tl.where(amax >= 1.1754943508222875e-38, c, 0.0)  # fp32 subnormal absmax: flushed, as quant.pack_scale
         tl.store(scale_ptr + gid, c, mask=gmask)
         inv_c = tl.div_rn(1.0, tl.where(c > 0, c, 1.0))  # once per group, as the reference
-        t = tl.minimum(a * inv_c, 1.0)
+        t = tl.where(c > 0, tl.minimum(a * inv_c, 1.0), 0.0)  # scale 0: everything but NaN encodes as 0
         t = tl.where(code > 0, fast_exp2(fast_log2(t, ON_GPU) * _k_of(code), ON_GPU), t)  # t ** k
         f = t * FMAX
-        if ON_GPU:  # cvt.rn.satfinite rounds to nearest even onto the grid (as grid_magnitude does); NaN stays NaN
-            codes = fp8_cast_bits(with_sign_of(tl.where(finite, f, float("nan")), x), IS_E4M3)
+        # +-inf has t = 1 (saturates to the largest code); NaN stays NaN
+        if ON_GPU:  # cvt.rn.satfinite rounds to nearest even onto the grid (as grid_magnitude does)
+            codes = fp8_cast_bits(with_sign_of(tl.where(x == x, f, float("nan")), x), IS_E4M3)
         else:
-            q = with_sign_of(grid_magnitude(tl.where(finite, f, 0.0), MAN_BITS, MIN_EXP, FMAX), x)
-            codes = fp8_bits(tl.where(finite | (mask == 0), q, float("nan")), IS_E4M3)
+            q = with_sign_of(grid_magnitude(tl.where(x == x, f, 0.0), MAN_BITS, MIN_EXP, FMAX), x)
+            codes = fp8_bits(tl.where((x == x) | (mask == 0), q, float("nan")), IS_E4M3)
         tl.store(codes_ptr + offs, codes, mask=mask)
 
     @triton.jit
