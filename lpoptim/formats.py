@@ -1,8 +1,9 @@
 """Number formats: E4M3, E5M2, E2M1 (FP4) and INT4, in pure torch.
 
-This file is the reference for how lpoptim rounds. Every Triton kernel rounds the same way, in fp32, before
-it casts (the Triton interpreter's own float->fp8 cast is wrong when rounding carries into the next binade),
-so kernel and reference agree bit for bit on the same fp32 input.
+This file is the reference for how lpoptim rounds. The Triton kernels round the same way, in fp32, before they
+cast (the Triton interpreter's own float->fp8 cast is wrong when rounding carries into the next binade), so on
+the same fp32 input they agree with it bit for bit (on the GPU the AdamW kernel lets the hardware's
+round-to-nearest-even cast do it, which is the same rounding).
 
 Rounding onto a float grid with ``m`` mantissa bits: the spacing of the grid around ``|x|`` is
 ``2**(max(e, e_min) - m)``, where ``e`` is ``|x|``'s binary exponent and ``e_min`` the exponent of the smallest

@@ -17,6 +17,7 @@ round-to-nearest-even. tests/test_adamw_kernel.py states and checks the bound be
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -216,7 +217,11 @@ TUNING = dict(block_groups=1, num_warps=1, loop=8)
 
 def _tables(batch, layout, block_g: int) -> _Plan:
     dev = batch[0][0].device
-    key = (dev, layout, block_g, tuple(p.shape for p, *_ in batch))
+    # keyed by the parameters' addresses (which do not move): two groups or optimizers with the same shapes
+    # must not share, and so rebuild, one table every step
+    key = (dev, layout, block_g, tuple((p.data_ptr(), p.shape) for p, *_ in batch))
+    if key not in _plans and len(_plans) >= 256:  # optimizers come and go (tests, restarts): bound the cache
+        _plans.clear()
     plan = _plans.setdefault(key, _Plan())
     if plan.dims is None:
         dims, blocks = [], []
@@ -238,11 +243,14 @@ def _tables(batch, layout, block_g: int) -> _Plan:
         addrs.append(row)
     addr_key = tuple(map(tuple, addrs))
     if addr_key != plan.addr_key:  # only when an address changed (set_to_none grads usually come back in place)
-        plan.ptrs = torch.tensor(addrs, dtype=torch.int64).to(dev)
+        table = torch.tensor(addrs, dtype=torch.int64)
+        # pinned and asynchronous on CUDA: no host sync even when gradients come back at new addresses
+        plan.ptrs = table.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else table.to(dev)
         plan.addr_key = addr_key
     return plan
 
 
+@functools.cache
 def _format_args(name: str, prefix: str) -> dict:
     fmt = get_format(name)
     return {f"{prefix}_E4M3": fmt.name == "e4m3", f"{prefix}_MAN": fmt.man_bits, f"{prefix}_MINEXP": fmt.min_normal_exp,

@@ -41,8 +41,8 @@ class AdamW(Optimizer):
 
     ``foreach`` is accepted and has no effect. ``fused``: None picks the fused Triton kernel for CUDA tensors
     and the pure-torch reference elsewhere; True demands the kernel; False always uses the reference.
-    ``capturable`` is accepted: step counts always live on the parameter's device and no step syncs with the
-    host. ``differentiable=True``, sparse gradients and complex parameters are refused.
+    ``capturable`` is accepted: step counts always live on the parameter's device and the fused step makes no
+    host sync (Tensor betas are read once a step with float()). ``differentiable=True``, sparse gradients and complex parameters are refused.
     """
 
     _step_supports_amp_scaling = True  # GradScaler passes grad_scale / found_inf as it does to torch's fused AdamW
@@ -152,7 +152,9 @@ class AdamW(Optimizer):
 
         torch's base class casts floating state to each parameter's dtype; lpoptim restores every state
         tensor's saved dtype afterwards (scales and fp32 moments must never pass through bf16)."""
-        saved = copy.deepcopy(state_dict)
+        # torch's base class builds new tensors and never changes the given ones: keep references to them (a deep
+        # copy would double the checkpoint in memory), copy only the small param_groups
+        saved = {"state": state_dict["state"], "param_groups": copy.deepcopy(state_dict["param_groups"])}
         # torch replaces each group with the saved one: a torch AdamW state dict has none of lpoptim's options,
         # and those must stay what this optimizer was built with, not fall back to the defaults
         own_options = [{k: g[k] for k in LPOPTIM_DEFAULTS} for g in self.param_groups]
@@ -173,7 +175,8 @@ class AdamW(Optimizer):
             layout = StateLayout.for_param(p, owner[id(p)])
             if _dist.is_dtensor(p):  # DTensor states (DCP) or a plain checkpoint's global tensors -> local
                 src = _dist.localize_state(p, src, layout)
-            state = {k: (v.to(device=local.device) if torch.is_tensor(v) else v) for k, v in src.items()}
+            # copies: the loaded state must not share tensors with the given dict (another optimizer's live state)
+            state = {k: (v.to(device=local.device, copy=True) if torch.is_tensor(v) else v) for k, v in src.items()}
             state = _convert_state(state, local, layout)
             self.state[p] = _dist.wrap_state(p, state, layout) if _dist.is_dtensor(p) else state
 

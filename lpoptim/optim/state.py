@@ -2,9 +2,9 @@
 
 Per parameter with at least ``min_quant_numel`` elements:
   exp_avg            uint8 codes, the parameter's shape (E4M3 bit patterns of the expanded, scaled m)
-  exp_avg_scale      fp32 (rows, ceil(N / G)): one number per group of G along the last dimension; its two
-                     low mantissa bits hold log2 of the group's expansion exponent k (quant.pack_scale)
-  exp_avg_sq[_scale] the same for the second moment (stored as sqrt(v) by default)
+  exp_avg_scale      fp32 (rows, ceil(N / G)): one number per group of G along the last dimension, the group's
+                     absmax with k's 8-bit code in its low mantissa byte (quant.pack_scale)
+  exp_avg_sq[_scale] the same for the second moment (v itself by default; sqrt(v) with sqrt_exp_avg_sq=True)
   max_exp_avg_sq[_scale]  with amsgrad
   step               fp32 0-dim tensor on the parameter's device
 Smaller parameters (norms, biases) keep plain fp32 moments under the same names, as torch.optim.AdamW does.
