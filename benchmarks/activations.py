@@ -20,7 +20,6 @@ import argparse
 import copy
 import gc
 import json
-import math
 import platform
 import statistics
 import sys

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lpoptim.activations import (ActivationPolicy, PackedActivation, compress_activations, is_wrapped, pack,
+from lpoptim.activations import (ActivationPolicy, compress_activations, is_wrapped, pack,
                                  record_saved, restore_activations)
 from lpoptim.quant import quantize
 from lpoptim.train.gpt import GPT, Block, GPTConfig

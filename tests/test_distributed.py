@@ -16,7 +16,6 @@ on group boundaries), row lengths that are not multiples of the group size, and 
 """
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 from pathlib import Path
