@@ -94,8 +94,6 @@ def cmd_train(args) -> int:
     if args.steps:
         preset["steps"] = args.steps
         preset["eval_every"] = max(1, args.steps // 5)
-    if device == "cpu":
-        torch.set_num_threads(max(1, torch.get_num_threads()))
     data = CharData(args.text, device=device)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

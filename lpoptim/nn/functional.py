@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import E4M3
 from .fp4 import dge_derivative, occ_split, residual_matmul
 from .hadamard import pick_block
 from .native_fp4 import gemm_mxfp4, native_fp4_supported
@@ -37,7 +36,7 @@ def _fp8_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, d
     dx = dw = None
     if need_dx:
         gq = quantize_operand(g2, r.grad_fmt, r.granularity)          # (M, N)
-        wt = quantize_operand(w.t(), E4M3, r.granularity)              # (K, N): W per input channel
+        wt = quantize_operand(w.t(), r.bwd_fmt, r.granularity)         # (K, N): W per input channel
         dx = gemm(gq, wt, dx_dtype)
     if need_dw:
         gt = quantize_operand(g2.t(), r.grad_fmt, r.granularity)       # (N, M padded like xt)

@@ -26,9 +26,14 @@ def _hadamard_pm1_cpu(b: int) -> torch.Tensor:
     return h
 
 
-def hadamard_pm1(b: int, device="cpu", dtype=torch.float32) -> torch.Tensor:
-    """The b×b Sylvester Hadamard matrix of ±1 (symmetric)."""
+@functools.lru_cache(maxsize=64)
+def _hadamard_pm1_on(b: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return _hadamard_pm1_cpu(b).to(device=device, dtype=dtype)
+
+
+def hadamard_pm1(b: int, device="cpu", dtype=torch.float32) -> torch.Tensor:
+    """The b×b Sylvester Hadamard matrix of ±1 (symmetric), cached per device: no copy to the GPU per call."""
+    return _hadamard_pm1_on(b, torch.device(device), dtype)
 
 
 def inv_sqrt(b: int) -> float:
