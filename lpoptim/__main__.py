@@ -49,10 +49,9 @@ def parse_run(name: str) -> dict:
 
 
 def progress_printer(label: str):
-    def show(step, steps, loss):
-        if step == steps or step % max(1, steps // 50) == 0:
-            bar = "#" * int(30 * step / steps)
-            print(f"\r  {label:40s} [{bar:30s}] {step}/{steps} loss {loss:.4f}", end="", file=sys.stderr, flush=True)
+    def show(step, steps, loss):  # the loop calls it about 50 times a run
+        bar = "#" * int(30 * step / steps)
+        print(f"\r  {label:40s} [{bar:30s}] {step}/{steps} loss {loss:.4f}", end="", file=sys.stderr, flush=True)
         if step == steps:
             print(file=sys.stderr)
     return show

@@ -117,11 +117,12 @@ def train(cfg: RunConfig, data: CharData | None = None, progress=None) -> dict:
         if cfg.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
         opt.step()
-        curve.append(loss.item())
+        curve.append(loss.detach())  # read back once at the end: no host sync per step
         if cfg.eval_every and (it + 1) % cfg.eval_every == 0 and it + 1 < cfg.steps:
             val_curve.append((it + 1, evaluate(model, data, cfg)))
-        if progress is not None:
-            progress(it + 1, cfg.steps, curve[-1])
+        if progress is not None and ((it + 1) % max(1, cfg.steps // 50) == 0 or it + 1 == cfg.steps):
+            progress(it + 1, cfg.steps, curve[-1].item())
+    curve = torch.stack(curve).float().tolist()
     val = evaluate(model, data, cfg)
     val_curve.append((cfg.steps, val))
     tail = curve[-max(1, cfg.steps // 10):]
