@@ -47,7 +47,7 @@ def convert_linears(model: nn.Module, recipe: str | Recipe = "fp8", *,
             continue
         todo.append(fqn)
     if odd:
-        warnings.warn("kept in high precision, feature dims not divisible by 16: " + ", ".join(odd))
+        warnings.warn("kept in high precision, feature dims not divisible by 16: " + ", ".join(odd), stacklevel=2)
     for fqn in todo:
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

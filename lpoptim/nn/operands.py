@@ -166,6 +166,6 @@ def gemm(a: Operand, b: Operand, out_dtype: torch.dtype = torch.float32) -> torc
         except RuntimeError as e:  # keep training correct; the benchmark reports this loudly
             if len(FALLBACKS) < 8:
                 FALLBACKS.append(str(e).splitlines()[0])
-                warnings.warn(f"torch._scaled_mm failed ({FALLBACKS[-1]}); emulating in fp32")
+                warnings.warn(f"torch._scaled_mm failed ({FALLBACKS[-1]}); emulating in fp32", stacklevel=2)
     acc = a.values.float() @ b.values.float().t()
     return (acc * sa * sb).to(out_dtype)

@@ -159,7 +159,7 @@ class AdamW(Optimizer):
         # and those must stay what this optimizer was built with, not fall back to the defaults
         own_options = [{k: g[k] for k in LPOPTIM_DEFAULTS} for g in self.param_groups]
         super().load_state_dict(state_dict)
-        for group, options, saved_group in zip(self.param_groups, own_options, saved["param_groups"]):
+        for group, options, saved_group in zip(self.param_groups, own_options, saved["param_groups"], strict=True):
             for k, v in options.items():
                 if k not in saved_group:
                     group[k] = v
@@ -167,7 +167,7 @@ class AdamW(Optimizer):
         saved_ids = [i for g in saved["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         owner = {id(p): g for g in self.param_groups for p in g["params"]}
-        for pid, p in zip(saved_ids, params):
+        for pid, p in zip(saved_ids, params, strict=True):
             if pid not in saved["state"]:
                 continue
             local = _local(p)
@@ -187,7 +187,7 @@ class AdamW(Optimizer):
         owner = {id(p): g for g in self.param_groups for p in g["params"]}
         ids = [i for g in sd["param_groups"] for i in g["params"]]
         out_state = {}
-        for pid, p in zip(ids, params):
+        for pid, p in zip(ids, params, strict=True):
             if pid not in sd["state"]:
                 continue
             st = {k: _local(v) for k, v in sd["state"][pid].items()}
