@@ -24,19 +24,19 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off, before any process group exists
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lpoptim  # noqa: E402
 from lpoptim.optim import distributed as lpdist  # noqa: E402
+from lpoptim.train.llama import PRESETS, Llama, LlamaConfig  # noqa: E402
 
 try:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -46,103 +46,20 @@ except ImportError:  # torch < 2.6
 TARGETS = {"peak_ratio_max": 0.55, "tokens_ratio_min": 0.95}
 
 
-@dataclass
-class Config:
-    name: str
-    layers: int
-    dim: int
-    ffn: int
-    heads: int
-    kv_heads: int
-    vocab: int = 32000
-
-
+# the model is lpoptim.train.llama's (what `lpoptim bench` times); "small" is a CPU smoke test
 CONFIGS = {
-    "tinyllama": Config("TinyLlama-1.1B", 22, 2048, 5632, 32, 4),
-    "llama7b": Config("Llama-2-7B", 32, 4096, 11008, 32, 32),
-    "small": Config("small", 2, 128, 352, 4, 2, vocab=512),
+    "tinyllama": ("TinyLlama-1.1B", PRESETS["tinyllama-1.1b"]),
+    "llama7b": ("Llama-2-7B", PRESETS["llama2-7b"]),
+    "small": ("small", LlamaConfig(vocab_size=512, n_layer=2, d_model=128, ffn_dim=352, n_head=4, n_kv_head=2)),
 }
 
 
-# ---- the model ---------------------------------------------------------------------------------------------
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, d: int, eps: float = 1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-        self.eps = eps
-
-    def forward(self, x):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-
-
-def rope(seq: int, head_dim: int, device, base: float = 10000.0):
-    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    f = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)
-    f = torch.cat([f, f], -1)
-    return f.cos(), f.sin()
-
-
-def apply_rope(x, cos, sin):
-    x1, x2 = x.chunk(2, -1)
-    return x * cos + torch.cat([-x2, x1], -1) * sin
-
-
-class Block(nn.Module):
-    def __init__(self, c: Config):
-        super().__init__()
-        self.heads, self.kv, self.hd = c.heads, c.kv_heads, c.dim // c.heads
-        self.attn_norm, self.mlp_norm = RMSNorm(c.dim), RMSNorm(c.dim)
-        self.wq = nn.Linear(c.dim, c.dim, bias=False)
-        self.wk = nn.Linear(c.dim, c.kv_heads * self.hd, bias=False)
-        self.wv = nn.Linear(c.dim, c.kv_heads * self.hd, bias=False)
-        self.wo = nn.Linear(c.dim, c.dim, bias=False)
-        self.w1 = nn.Linear(c.dim, c.ffn, bias=False)
-        self.w3 = nn.Linear(c.dim, c.ffn, bias=False)
-        self.w2 = nn.Linear(c.ffn, c.dim, bias=False)
-
-    def forward(self, x, cos, sin):
-        b, s, _ = x.shape
-        h = self.attn_norm(x)
-        q = self.wq(h).view(b, s, self.heads, self.hd).transpose(1, 2)
-        k = self.wk(h).view(b, s, self.kv, self.hd).transpose(1, 2)
-        v = self.wv(h).view(b, s, self.kv, self.hd).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.kv != self.heads:
-            k = k.repeat_interleave(self.heads // self.kv, 1)
-            v = v.repeat_interleave(self.heads // self.kv, 1)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.wo(a.transpose(1, 2).reshape(b, s, -1))
-        h = self.mlp_norm(x)
-        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
-
-
-class Llama(nn.Module):
-    def __init__(self, c: Config, ac: bool = False):
-        super().__init__()
-        self.c = c
-        self.embed = nn.Embedding(c.vocab, c.dim)
-        self.layers = nn.ModuleList(Block(c) for _ in range(c.layers))
-        if ac:  # as torchtitan: the checkpoint inside each block, FSDP2's hooks outside it
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-            self.layers = nn.ModuleList(checkpoint_wrapper(b) for b in self.layers)
-        self.norm = RMSNorm(c.dim)
-        self.head = nn.Linear(c.dim, c.vocab, bias=False)
-        self.rope = None  # (cos, sin), set on the device after materialization (not a buffer: meta-safe)
-
-    def forward(self, tokens):
-        cos, sin = self.rope
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.head(self.norm(x))
-
-
-def build(c: Config, seq: int, device: torch.device, mesh, ac: bool) -> Llama:
+def build(c: LlamaConfig, device: torch.device, mesh, ac: bool) -> Llama:
     with torch.device("meta"):
-        model = Llama(c, ac)
+        model = Llama(c)
+    if ac:  # as torchtitan: the checkpoint inside each block, FSDP2's hooks outside it
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        model.layers = nn.ModuleList(checkpoint_wrapper(b) for b in model.layers)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
@@ -156,7 +73,6 @@ def build(c: Config, seq: int, device: torch.device, mesh, ac: bool) -> Llama:
                 t.fill_(1.0)
             else:
                 t.normal_(0.0, 0.02, generator=gen)
-    model.rope = rope(seq, c.dim // c.heads, device)
     return model
 
 
@@ -168,12 +84,12 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def run_one(opt_name: str, c: Config, args, device, mesh) -> dict:
+def run_one(opt_name: str, c: LlamaConfig, args, device, mesh) -> dict:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    model = build(c, args.seq, device, mesh, args.ac)
+    model = build(c, device, mesh, args.ac)
     params = list(model.parameters())
     if opt_name == "lpoptim":
         opt = lpoptim.AdamW(params, lr=1e-4, weight_decay=0.1)
@@ -183,11 +99,10 @@ def run_one(opt_name: str, c: Config, args, device, mesh) -> dict:
     gen = torch.Generator(device=device).manual_seed(99 + dist.get_rank())
     times, losses = [], []
     for step in range(args.warmup + args.steps):
-        tokens = torch.randint(0, c.vocab, (args.batch, args.seq + 1), device=device, generator=gen)
+        tokens = torch.randint(0, c.vocab_size, (args.batch, args.seq + 1), device=device, generator=gen)
         sync(device)
         t0 = time.perf_counter()
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        _, loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -250,7 +165,7 @@ def main(argv=None):
 
     results = []
     for key in args.models.split(","):
-        c = CONFIGS[key]
+        name, c = CONFIGS[key]
         runs = {}
         for opt_name in args.optimizers.split(","):
             try:
@@ -259,7 +174,7 @@ def main(argv=None):
                 runs[opt_name] = {"optimizer": opt_name, "error": f"OOM: {str(e).splitlines()[0]}"}
                 gc.collect()
                 torch.cuda.empty_cache()
-        entry = {"model": asdict(c), "runs": runs}
+        entry = {"model": {"name": name, **asdict(c)}, "runs": runs}
         t, lp = runs.get("torch", {}), runs.get("lpoptim", {})
         if t.get("peak_gib_per_gpu") and lp.get("peak_gib_per_gpu"):
             entry["peak_ratio"] = lp["peak_gib_per_gpu"] / t["peak_gib_per_gpu"]
