@@ -10,6 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .param_groups import decay_groups
+
 
 @dataclass
 class LlamaConfig:
@@ -128,9 +130,4 @@ class Llama(nn.Module):
         return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
     def param_groups(self, weight_decay: float):
-        """Weight decay on matrices (dim >= 2), none on norms (the split the training loop uses)."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        return [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
+        return decay_groups(self, weight_decay)
