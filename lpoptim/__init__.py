@@ -6,7 +6,7 @@
 """
 from .activations import compress_activations, restore_activations
 from .nn import LowBitLinear, convert_linears
-from .optim import AdamW, state_bytes
+from .optim import AdamW, state_bytes, step_in_backward
 
-__all__ = ["AdamW", "state_bytes", "compress_activations", "restore_activations", "convert_linears", "LowBitLinear"]
+__all__ = ["AdamW", "state_bytes", "step_in_backward", "compress_activations", "restore_activations", "convert_linears", "LowBitLinear"]
 __version__ = "0.1.0"

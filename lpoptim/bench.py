@@ -35,12 +35,15 @@ class Stack:
     linears: str | None = None  # convert_linears recipe, or "torchao" (torchao float8 training)
     compress: bool = False  # compress_activations on every block
     label: str = ""
+    in_backward: bool = False  # lpoptim.step_in_backward: each update (and gradient release) during backward
 
 
 STACKS = {
     "bf16": Stack("torch", label="torch AdamW (bf16 autocast, fp32 master)"),
     "lpoptim": Stack("lpoptim", label="lpoptim.AdamW"),
     "lpoptim+act": Stack("lpoptim", compress=True, label="lpoptim.AdamW + FP8 activations"),
+    "lpoptim+act+bwd": Stack("lpoptim", compress=True, in_backward=True,
+                             label="lpoptim.AdamW (step in backward) + FP8 activations"),
     "lpoptim+fp8+act": Stack("lpoptim", "fp8", True, "lpoptim.AdamW + fp8 linears + FP8 act."),
     "lpoptim+fp4+act": Stack("lpoptim", "fp4", True, "lpoptim.AdamW + fp4 linears + FP8 act."),
     "lpoptim+int4+act": Stack("lpoptim", "int4", True, "lpoptim.AdamW + int4 linears + FP8 act."),
@@ -133,6 +136,10 @@ def build(stack: Stack, cfg: LlamaConfig, device: str, compile_blocks: bool):
         opt = AdamWFp8(groups, lr=lr, betas=betas)
     else:
         raise ValueError(f"unknown optimizer {stack.optimizer!r}")
+    if stack.in_backward:  # opt.step() then finds no gradients and does nothing
+        from .optim import step_in_backward
+
+        step_in_backward(opt)
     return model, opt, handle
 
 

@@ -102,17 +102,25 @@ class AdamW(Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         for group in self.param_groups:
-            self._step_group(group, grad_scale, found_inf)
+            self._step_group(group, group["params"], grad_scale, found_inf)
         return loss
 
-    def _step_group(self, group: dict, grad_scale, found_inf) -> None:
+    @torch.no_grad()
+    def step_param(self, param: torch.Tensor, group: dict | None = None) -> None:
+        """Update one parameter now, with its group's options, if it has a gradient: what
+        lpoptim.step_in_backward calls as each gradient is accumulated (``group`` saves the search)."""
+        if group is None:
+            group = next(g for g in self.param_groups if any(q is param for q in g["params"]))
+        self._step_group(group, [param], getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+
+    def _step_group(self, group: dict, params, grad_scale, found_inf) -> None:
         from ..kernels import adamw_step as kernel  # imported lazily: triton is optional on the CPU
 
         beta1, beta2 = (float(b) for b in group["betas"])
         hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                      weight_decay=group["weight_decay"], amsgrad=group["amsgrad"], maximize=group["maximize"])
         fused_batch = []
-        for p in group["params"]:
+        for p in params:
             if p.grad is None:
                 continue
             if p.grad.is_sparse:

@@ -1,0 +1,42 @@
+"""The optimizer step fused into backward gives the same parameters as the usual step, with gradients freed."""
+import pytest
+import torch
+
+import lpoptim
+
+
+def model_and_data(seed=0):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(16, 64, generator=g), torch.randn(16, 64, generator=g)) for _ in range(8)]
+    return m, data
+
+
+def test_step_in_backward_matches_usual_step_exactly():
+    m1, data = model_and_data()
+    m2, _ = model_and_data()
+    o1 = lpoptim.AdamW(m1.parameters(), lr=1e-2, weight_decay=0.1, min_quant_numel=1024)
+    o2 = lpoptim.AdamW(m2.parameters(), lr=1e-2, weight_decay=0.1, min_quant_numel=1024)
+    sched = torch.optim.lr_scheduler.StepLR(o2, step_size=3, gamma=0.5)
+    sched1 = torch.optim.lr_scheduler.StepLR(o1, step_size=3, gamma=0.5)
+    handle = lpoptim.step_in_backward(o2)
+    for x, y in data:
+        o1.zero_grad()
+        (m1(x) - y).pow(2).mean().backward()
+        o1.step()
+        sched1.step()
+        (m2(x) - y).pow(2).mean().backward()  # updates every parameter during backward
+        assert all(p.grad is None for p in m2.parameters())  # the gradients were freed as they were used
+        sched.step()
+    for a, b in zip(m1.parameters(), m2.parameters(), strict=True):
+        assert torch.equal(a, b)  # the same per-parameter arithmetic, only earlier
+    handle.remove()
+    (m2(data[0][0]) - data[0][1]).pow(2).mean().backward()
+    assert all(p.grad is not None for p in m2.parameters())  # removed: back to the usual step
+
+
+def test_step_in_backward_refuses_other_optimizers():
+    m, _ = model_and_data()
+    with pytest.raises(TypeError, match="step_param"):
+        lpoptim.step_in_backward(torch.optim.AdamW(m.parameters()))
