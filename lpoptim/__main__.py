@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from .bench import STACKS
+
 PRESETS = {
     # a couple of minutes on 2 CPU cores
     "tiny": dict(n_layer=2, n_head=2, n_embd=64, block_size=64, batch_size=16, steps=300, lr=3e-3, eval_every=100),
@@ -157,7 +159,7 @@ def main(argv=None) -> int:
                    help="model shape (default: tiny on CPU, tinyllama-1.1b on GPU)")
     b.add_argument("--batch", type=int, help="sequences per step (default: tiny 2, tinyllama 4, 7B/13B 1)")
     b.add_argument("--seq", type=int, help="tokens per sequence (default: tiny 64, others 2048)")
-    b.add_argument("--recipes", default="bf16,lpoptim,lpoptim+act,lpoptim+fp8+act,lpoptim+fp4+act,lpoptim+int4+act,bnb,torchao",
+    b.add_argument("--recipes", default=",".join(STACKS),
                    help="comma-separated subset of the default")
     b.add_argument("--steps", type=int, default=5, help="timed steps (median), after --warmup")
     b.add_argument("--warmup", type=int, default=2, help="untimed steps first (kernel compilation, state allocation)")
