@@ -80,9 +80,18 @@ class Quantized:
         return v * self.scale
 
 
-def _finite_absmax(x: torch.Tensor, dim=None, keepdim=False) -> torch.Tensor:
+def finite_absmax(x: torch.Tensor, dim=None, keepdim=False) -> torch.Tensor:
+    """max |x| over finite elements (0 if none): NaN and inf never set a scale."""
     a = torch.where(torch.isfinite(x), x.abs(), torch.zeros((), device=x.device, dtype=x.dtype))
     return a.amax() if dim is None else a.amax(dim=dim, keepdim=keepdim)
+
+
+def pow2_block_exponent(amax: torch.Tensor, fmax: float, emin: int, emax: int = 127) -> torch.Tensor:
+    """The smallest e with amax / 2^e <= fmax (a block's power-of-two scale), clamped to [emin, emax]; emin for
+    a block whose amax is 0. amax / fmax = m·2^x with m in [0.5, 1): e = x, or x - 1 when m is exactly 0.5."""
+    mant, ex = torch.frexp(amax / fmax)
+    e = torch.where(mant > 0.5, ex, ex - 1).clamp(emin, emax)
+    return torch.where(amax > 0, e, torch.full_like(e, emin))
 
 
 def absmax_scale(amax: torch.Tensor, fmt: FloatFormat | IntFormat) -> torch.Tensor:
@@ -101,14 +110,14 @@ def quantize(x: torch.Tensor, fmt="e4m3", granularity: str = "tensor", group_siz
     fmt = get_format(fmt)
     x32 = x.float()
     if granularity == "tensor":
-        scale = absmax_scale(_finite_absmax(x32), fmt)
+        scale = absmax_scale(finite_absmax(x32), fmt)
         values = round_to_grid(x32 / scale, fmt, noise)
     elif granularity == "row":
-        scale = absmax_scale(_finite_absmax(x32, dim=-1, keepdim=True), fmt)
+        scale = absmax_scale(finite_absmax(x32, dim=-1, keepdim=True), fmt)
         values = round_to_grid(x32 / scale, fmt, noise)
     elif granularity == "group":
         g = to_groups(x32, group_size)
-        scale = absmax_scale(_finite_absmax(g, dim=-1), fmt)
+        scale = absmax_scale(finite_absmax(g, dim=-1), fmt)
         n = None if noise is None else to_groups(noise, group_size)
         values = from_groups(round_to_grid(g / scale.unsqueeze(-1), fmt, n), x.shape)
     else:

@@ -83,7 +83,7 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
     if granularity == "tensor":
         if hadamard_block:
             raise NotImplementedError("per-tensor scaling with a Hadamard transform: use granularity='row'")
-        # max |x| over finite elements, as quant._finite_absmax, without an fp32 copy of x
+        # max |x| over finite elements, as quant.finite_absmax, without an fp32 copy of x
         scale = absmax_scale(x.abs().nan_to_num_(0.0, 0.0, 0.0).amax().float(), fmt).reshape(())
     elif granularity == "row":
         scale = torch.empty((R, 1), device=x.device, dtype=torch.float32)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import E2M1, pack_4bit, round_to_grid
-from ..quant import from_groups, to_groups
+from ..quant import finite_absmax, from_groups, pow2_block_exponent, to_groups
 
 
 def native_fp4_supported(device: torch.device | None = None) -> bool:
@@ -33,10 +33,8 @@ def _to_blocked(scales: torch.Tensor) -> torch.Tensor:
 def mxfp4(x: torch.Tensor, block: int = 32):
     """2-D x (K a multiple of 32) -> (packed float4_e2m1fn_x2 (R, K/2), blocked E8M0 scales)."""
     g = to_groups(x.float(), block)
-    amax = g.abs().nan_to_num(0.0, 0.0, 0.0).amax(-1)
-    mant, ex = torch.frexp(amax / E2M1.max)
-    e = torch.where(mant > 0.5, ex, ex - 1).clamp(-127, 127)
-    e = torch.where(amax > 0, e, torch.full_like(e, -127))
+    amax = finite_absmax(g, dim=-1)
+    e = pow2_block_exponent(amax, E2M1.max, emin=-127)  # E8M0's range
     q = round_to_grid(g / torch.ldexp(torch.ones_like(amax), e).unsqueeze(-1), E2M1)
     packed = pack_4bit(from_groups(q, x.shape), E2M1).view(torch.float4_e2m1fn_x2)
     e8m0 = (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import E2M1, E4M3, E5M2, FloatFormat, IntFormat, get_format, round_to_grid
-from ..quant import quantize, to_groups, from_groups
+from ..quant import finite_absmax, from_groups, pow2_block_exponent, quantize, to_groups
 from .hadamard import block_hadamard
 
 # Two INT4 halves of an 8-bit integer: q = 16·hi + lo with hi in -7..7, lo in -8..7 (see split_int8).
@@ -92,10 +92,8 @@ def pow2_block_operand(x: torch.Tensor, block: int = 32, pad_to: int = 16) -> Op
     cols = padded(x.shape[1], math.lcm(pad_to, block))
     x = F.pad(x, (0, cols - x.shape[1]))
     g = to_groups(x, block)  # (R, nb, block)
-    amax = g.abs().nan_to_num(0.0, 0.0, 0.0).amax(-1)
-    mant, ex = torch.frexp(amax / E2M1.max)  # amax/6 = mant·2^ex, mant in [0.5, 1)
-    e = torch.where(mant > 0.5, ex, ex - 1).clamp(min=-126)
-    e = torch.where(amax > 0, e, torch.full_like(e, -126))
+    amax = finite_absmax(g, dim=-1)
+    e = pow2_block_exponent(amax, E2M1.max, emin=-126)
     q = round_to_grid(g / torch.ldexp(torch.ones_like(amax), e).unsqueeze(-1), E2M1)
     e_row = e.amax(-1, keepdim=True)
     folded = round_to_grid(q * torch.ldexp(torch.ones_like(amax), e - e_row).unsqueeze(-1), E4M3)
