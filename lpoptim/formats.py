@@ -140,11 +140,13 @@ def to_fp8(x: torch.Tensor, fmt: FloatFormat | str = E4M3, noise: torch.Tensor |
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
-def e2m1_to_nibble(q: torch.Tensor) -> torch.Tensor:
-    """E2M1-valued fp32 (already on the grid) -> uint8 nibbles 0..15."""
+def e2m1_to_nibble(q: torch.Tensor, check: bool = True) -> torch.Tensor:
+    """E2M1-valued fp32 (already on the grid) -> uint8 nibbles 0..15. ``check`` verifies that (a host sync on
+    the GPU: callers that just rounded with round_to_grid pass False)."""
     a = q.abs().float()
-    idx = torch.searchsorted(E2M1_VALUES.to(a.device), a.contiguous())
-    if not torch.equal(E2M1_VALUES.to(a.device)[idx.clamp(max=7)], a):
+    values = E2M1_VALUES.to(a.device)
+    idx = torch.searchsorted(values, a.contiguous())
+    if check and not torch.equal(values[idx.clamp(max=7)], a):
         raise ValueError("e2m1_to_nibble expects values on the E2M1 grid (use round_to_grid first)")
     sign = torch.signbit(q).to(torch.uint8)
     return (sign << 3) | idx.to(torch.uint8)
@@ -177,10 +179,10 @@ def unpack_nibbles(b: torch.Tensor) -> torch.Tensor:
     return torch.stack((lo, hi), dim=-1).flatten(-2)
 
 
-def pack_4bit(q: torch.Tensor, fmt: FloatFormat | IntFormat | str) -> torch.Tensor:
-    """Grid values of E2M1 or INT4 -> packed bytes (two per byte)."""
+def pack_4bit(q: torch.Tensor, fmt: FloatFormat | IntFormat | str, check: bool = True) -> torch.Tensor:
+    """Grid values of E2M1 or INT4 -> packed bytes (two per byte); ``check`` as in e2m1_to_nibble."""
     fmt = get_format(fmt)
-    nib = int4_to_nibble(q) if isinstance(fmt, IntFormat) else e2m1_to_nibble(q)
+    nib = int4_to_nibble(q) if isinstance(fmt, IntFormat) else e2m1_to_nibble(q, check)
     return pack_nibbles(nib)
 
 
