@@ -7,7 +7,8 @@
 ``train`` trains the small GPT on the bundled tinyshakespeare (or --text FILE) once per run, same seed, data and
 schedule, and prints final train/val loss and optimizer-state memory side by side; it writes JSON and a PNG of
 the loss curves into --out. Runs: torch (torch.optim.AdamW), lpoptim (lpoptim.AdamW), lpoptim+fp8 / +fp4 / +int4
-(low-bit linears), lpoptim+fp8+act (and FP8 activations). The preset defaults to tiny on the CPU (about a
+(low-bit linears), lpoptim+fp8+act (and FP8 activations), +bf16 (bf16 parameters, no fp32 master: torch rounds
+to nearest, lpoptim stochastically). The preset defaults to tiny on the CPU (about a
 minute) and to nanoGPT's shakespeare-char recipe on a GPU.
 
 ``bench`` times one training step of a Llama-shaped model (random init) under each recipe: bf16 (torch AdamW),
@@ -45,8 +46,10 @@ def parse_run(name: str) -> dict:
             run["recipe"] = p
         elif p == "act":
             run["compress"] = True
+        elif p == "bf16":
+            run["master"] = "bf16"
         else:
-            raise SystemExit(f"run {name!r}: unknown part {p!r} (fp8, fp4, int4, act)")
+            raise SystemExit(f"run {name!r}: unknown part {p!r} (fp8, fp4, int4, act, bf16)")
     return run
 
 

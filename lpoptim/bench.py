@@ -1,9 +1,12 @@
 """``lpoptim bench``: one training step of a Llama-shaped model under each stack; memory and tokens/s.
 
 Every stack trains the same randomly initialised model (lpoptim/train/llama.py) on the same random tokens with
-bf16 autocast and fp32 master parameters; a step is zero_grad, forward, backward, optimizer step (no clipping).
+bf16 autocast; a step is zero_grad, forward, backward, optimizer step (no clipping). Master weights are fp32
+(the model's parameters; autocast computes in bf16) or, for the ``-bf16`` stacks, bf16 (the parameters
+themselves; torch AdamW then keeps bf16 states and rounds to nearest, lpoptim rounds stochastically).
 
-Stacks: ``bf16`` (torch AdamW, fused on CUDA), ``lpoptim`` (lpoptim.AdamW), ``lpoptim+act`` (and
+Stacks: ``bf16`` (torch AdamW, fused on CUDA), ``torch-bf16`` (the same on bf16 parameters),
+``lpoptim`` (lpoptim.AdamW), ``lpoptim-bf16`` (on bf16 parameters), ``+bwd`` (step_in_backward), ``lpoptim+act`` (and
 compress_activations on every block), ``lpoptim+fp8+act`` / ``+fp4+act`` / ``+int4+act`` (and convert_linears),
 ``bnb`` (bitsandbytes AdamW8bit) and ``torchao`` (torchao float8 linears + AdamWFp8), the last two on CUDA only.
 
@@ -36,6 +39,7 @@ class Stack:
     compress: bool = False  # compress_activations on every block
     label: str = ""
     in_backward: bool = False  # lpoptim.step_in_backward: each update (and gradient release) during backward
+    master: str = "fp32"  # the parameters' dtype: "fp32" (bf16 autocast) or "bf16" (lpoptim: stochastic rounding)
 
 
 STACKS = {
@@ -44,6 +48,12 @@ STACKS = {
     "lpoptim+act": Stack("lpoptim", compress=True, label="lpoptim.AdamW + FP8 activations"),
     "lpoptim+act+bwd": Stack("lpoptim", compress=True, in_backward=True,
                              label="lpoptim.AdamW (step in backward) + FP8 activations"),
+    "torch-bf16": Stack("torch", master="bf16", label="torch AdamW, bf16 params and states"),
+    "lpoptim-bf16": Stack("lpoptim", master="bf16", label="lpoptim.AdamW, bf16 params (stochastic rounding)"),
+    "lpoptim-bf16+act+bwd": Stack("lpoptim", compress=True, in_backward=True, master="bf16",
+                                  label="lpoptim.AdamW bf16 SR, step in backward, FP8 act."),
+    "lpoptim-bf16+fp8+act+bwd": Stack("lpoptim", "fp8", True, in_backward=True, master="bf16",
+                                      label="lpoptim.AdamW bf16 SR, step in backward, fp8 linears, FP8 act."),
     "lpoptim+fp8+act": Stack("lpoptim", "fp8", True, "lpoptim.AdamW + fp8 linears + FP8 act."),
     "lpoptim+fp4+act": Stack("lpoptim", "fp4", True, "lpoptim.AdamW + fp4 linears + FP8 act."),
     "lpoptim+int4+act": Stack("lpoptim", "int4", True, "lpoptim.AdamW + int4 linears + FP8 act."),
@@ -105,6 +115,8 @@ def build(stack: Stack, cfg: LlamaConfig, device: str, compile_blocks: bool):
     torch.manual_seed(0)
     with torch.device(device):
         model = Llama(cfg)
+    if stack.master == "bf16":
+        model.to(torch.bfloat16)
     if stack.linears == "torchao":
         from torchao.float8 import convert_to_float8_training
 
@@ -124,7 +136,7 @@ def build(stack: Stack, cfg: LlamaConfig, device: str, compile_blocks: bool):
     groups, lr, betas = model.param_groups(0.1), 1e-4, (0.9, 0.95)
     if stack.optimizer in ("torch", "lpoptim"):
         options = dict(fused=True) if stack.optimizer == "torch" and device == "cuda" else {}
-        opt = build_optimizer(RunConfig(optimizer=stack.optimizer, lr=lr, betas=betas, weight_decay=0.1,
+        opt = build_optimizer(RunConfig(optimizer=stack.optimizer, lr=lr, betas=betas, weight_decay=0.1, master=stack.master,
                                         optimizer_options=options), model)
     elif stack.optimizer == "bnb":
         import bitsandbytes as bnb
@@ -232,7 +244,7 @@ def run(preset: str, recipes: list[str], batch: int, seq: int, steps: int, warmu
     results = []
     for name in recipes:
         stack = STACKS[name]
-        row = dict(recipe=name, label=stack.label)
+        row = dict(recipe=name, label=stack.label, master=stack.master)
         why = unavailable(name, device)
         if why:
             log(f"  {name}: skipped, {why}")
@@ -280,7 +292,7 @@ def table(report: dict) -> str:
     lines = [
         f"{report['preset']} (Llama-style: {m['n_layer']} layers, d {m['d_model']}, ffn {m['ffn_dim']}, "
         f"{m['n_head']}/{m['n_kv_head']} heads, vocab {m['vocab_size']}), batch {report['batch']} x {report['seq']}, "
-        f"bf16 autocast, fp32 master, {'blocks compiled' if report['compile'] else 'eager'}; "
+        f"bf16 autocast, fp32 master (bf16 for -bf16 recipes), {'blocks compiled' if report['compile'] else 'eager'}; "
         f"median of {report['steps']} steps after {report['warmup']} warm-up",
         f"device: {env['gpu'] or 'CPU'}, torch {env['torch']}, triton {env['triton']}",
         f"command: {report.get('command', '')}",

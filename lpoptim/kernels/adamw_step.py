@@ -26,12 +26,14 @@ try:
     import triton
     import triton.language as tl
 
-    from .grid import fast_exp2, fast_log2, fast_rcp, fp8_bits, fp8_cast_bits, fp8_value, grid_magnitude, interpreted, store_as, with_sign_of
+    from .grid import (fast_exp2, fast_log2, fast_rcp, fp8_bits, fp8_cast_bits, fp8_value, grid_magnitude, interpreted,
+                       round_bf16_stochastic, store_as, with_sign_of)
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - triton is a dependency, but keep the reference usable without it
     HAVE_TRITON = False
 
 from ..formats import get_format
+from ..optim.stochastic_round import as_int32, sr_key
 from ..quant import K_MASK, K_STEPS, expansion_floor, inv_max
 
 # the address table's columns: param, grad, then (codes, scale) of exp_avg, exp_avg_sq, max_exp_avg_sq
@@ -104,7 +106,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _adamw_kernel(
-        ptrs, dims, blocks, step_size_ptr, bc2_sqrt_ptr, decay_ptr, grad_scale_ptr, found_inf_ptr,
+        ptrs, dims, blocks, step_size_ptr, bc2_sqrt_ptr, decay_ptr, grad_scale_ptr, found_inf_ptr, sr_key_ptr,
         decay, one_minus_beta1, beta2, one_minus_beta2, eps,
         PARAM_DTYPE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
         M_E4M3: tl.constexpr, M_MAN: tl.constexpr, M_MINEXP: tl.constexpr, M_MAX: tl.constexpr, M_SPAN: tl.constexpr,
@@ -114,6 +116,7 @@ if HAVE_TRITON:
         QUANT: tl.constexpr, EXPANSION: tl.constexpr, SQRT_V: tl.constexpr, AMSGRAD: tl.constexpr,
         MAXIMIZE: tl.constexpr, DECAY_IS_PTR: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
         HAS_FOUND_INF: tl.constexpr, EVEN_ROWS: tl.constexpr, ON_GPU: tl.constexpr, LOOP: tl.constexpr,
+        STOCHASTIC: tl.constexpr,
     ):
         pid = tl.program_id(0)
         if HAS_FOUND_INF:
@@ -136,6 +139,8 @@ if HAVE_TRITON:
         inv_bc2_sqrt = tl.load(bc2_sqrt_ptr + tensor)  # 1 / sqrt(1 - beta2^t)
         if HAS_GRAD_SCALE:
             inv_grad_scale = 1.0 / tl.load(grad_scale_ptr)
+        if STOCHASTIC:  # the tensor's key for this step (stochastic_round.sr_key, computed on the device)
+            key = tl.load(sr_key_ptr + tensor).to(tl.uint32, bitcast=True)
         if DECAY_IS_PTR:  # 1 - lr * weight_decay, computed on the device for a Tensor lr
             decay = tl.load(decay_ptr)
         if AMSGRAD:
@@ -183,6 +188,8 @@ if HAVE_TRITON:
                     sqrt_v_used = tl.sqrt(v_max)
             denom = sqrt_v_used * inv_bc2_sqrt + eps
             p = p * decay - step_size * (m * fast_rcp(denom, ON_GPU))
+            if STOCHASTIC:  # onto the bf16 grid at random; the store below is then exact
+                p = round_bf16_stochastic(p, offs, key)
             store_as(p_ptr + offs, p, mask, PARAM_DTYPE)
 
             _encode(m, m_ptr, ms_ptr, offs, mask, gid, gmask, EXPANSION, M_E4M3, M_MAN, M_MINEXP, M_MAX, M_SPAN, QUANT,
@@ -207,6 +214,7 @@ class _Plan:
         self.addr_key = None
         self.ptrs = self.dims = self.blocks = None
         self.n_blocks = 0
+        self.salts = self.salts_key = None  # stochastic rounding's per-tensor salts, on the device
 
 
 _plans: dict = {}
@@ -243,11 +251,15 @@ def _tables(batch, layout, block_g: int) -> _Plan:
         addrs.append(row)
     addr_key = tuple(map(tuple, addrs))
     if addr_key != plan.addr_key:  # only when an address changed (set_to_none grads usually come back in place)
-        table = torch.tensor(addrs, dtype=torch.int64)
-        # pinned and asynchronous on CUDA: no host sync even when gradients come back at new addresses
-        plan.ptrs = table.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else table.to(dev)
+        # asynchronous on CUDA: no host sync even when gradients come back at new addresses
+        plan.ptrs = _to_device(torch.tensor(addrs, dtype=torch.int64), dev)
         plan.addr_key = addr_key
     return plan
+
+
+def _to_device(table: torch.Tensor, dev) -> torch.Tensor:
+    """A small host table on ``dev``: through pinned memory and asynchronously on CUDA (no host sync)."""
+    return table.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else table.to(dev)
 
 
 @functools.cache
@@ -258,20 +270,26 @@ def _format_args(name: str, prefix: str) -> dict:
             f"{prefix}_INV": inv_max(fmt)}
 
 
-def fused_adamw_step(batch, *, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, grad_scale=None, found_inf=None):
-    """Steps every (param, grad, state, layout) of ``batch``: one launch per (device, dtype, layout, rows) subset."""
+def fused_adamw_step(batch, *, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, grad_scale=None, found_inf=None,
+                     sr_salts=None):
+    """Steps every (param, grad, state, layout) of ``batch``: one launch per (device, dtype, layout, rows) subset.
+
+    ``sr_salts``: one int per item; bf16 parameters are then rounded stochastically (reference_adamw_step's
+    ``sr_salt``)."""
     subsets: dict = {}
-    for item in batch:
+    for i, item in enumerate(batch):
         p, _g, _s, layout = item
         even = (p.shape[-1] if p.dim() else 1) % layout.group_size == 0
-        subsets.setdefault((p.device, p.dtype, layout, even), []).append(item)
-    for (dev, dtype, layout, even), items in subsets.items():
+        subsets.setdefault((p.device, p.dtype, layout, even), []).append((item, None if sr_salts is None else sr_salts[i]))
+    for (dev, dtype, layout, even), entries in subsets.items():
+        items = [item for item, _ in entries]
+        salts = [salt for _, salt in entries] if sr_salts is not None and dtype == torch.bfloat16 else None
         _launch(items, dev, dtype, layout, even, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)
+                amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf, salts=salts)
 
 
 def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, grad_scale,
-            found_inf):
+            found_inf, salts):
     block_g, loop = TUNING["block_groups"], TUNING["loop"]
     plan = _tables(items, layout, block_g * loop)
     steps = [s["step"] for _p, _g, s, _l in items]
@@ -287,15 +305,21 @@ def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_de
     inv_bc2_sqrt = (1 - beta2 ** step_t).rsqrt().contiguous()
     decay = (1 - lr_t * weight_decay).reshape(1).contiguous() if lr_is_tensor else 1 - lr * weight_decay
     dummy = step_t
+    sr_keys = dummy
+    if salts is not None:
+        if plan.salts_key != salts:  # copied once per batch of parameters, not every step
+            plan.salts = _to_device(torch.tensor(salts, dtype=torch.int64), dev)
+            plan.salts_key = salts
+        sr_keys = as_int32(sr_key(step_t, plan.salts))
     _adamw_kernel[(plan.n_blocks,)](
         plan.ptrs, plan.dims, plan.blocks, step_size, inv_bc2_sqrt, decay if lr_is_tensor else dummy,
         grad_scale.to(dev, torch.float32) if grad_scale is not None else dummy,
-        found_inf if found_inf is not None else dummy,
+        found_inf if found_inf is not None else dummy, sr_keys,
         0.0 if lr_is_tensor else decay, 1 - beta1, beta2, 1 - beta2, eps,
         PARAM_DTYPE=_TL_DTYPES[dtype], G=layout.group_size, BLOCK_G=block_g,
         **_format_args(layout.exp_avg_format, "M"), **_format_args(layout.exp_avg_sq_format, "V"),
         QUANT=layout.quantized, EXPANSION=layout.expansion, SQRT_V=layout.sqrt_v, AMSGRAD=amsgrad, MAXIMIZE=maximize,
         DECAY_IS_PTR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-        LOOP=loop, EVEN_ROWS=even, ON_GPU=not interpreted(),
+        LOOP=loop, EVEN_ROWS=even, ON_GPU=not interpreted(), STOCHASTIC=salts is not None,
         num_warps=TUNING["num_warps"], enable_fp_fusion=False,  # no fused multiply-adds: round as the reference does
     )

@@ -129,3 +129,23 @@ def fast_rcp(x, ON_GPU: tl.constexpr):
         return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
     else:
         return 1.0 / x
+
+
+@triton.jit
+def hash32(x):
+    """lowbias32 on uint32 (optim/stochastic_round.hash32): products wrap mod 2^32, shifts are logical."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def round_bf16_stochastic(x, index, key):
+    """fp32 -> fp32 on the bf16 grid, rounded at random (stochastic_round.round_bf16_stochastic): element
+    ``index`` (int) adds hash32(index ^ key) & 0xFFFF to its bits and drops the low 16. Non-finite values are
+    returned unchanged (the bf16 store rounds them to nearest)."""
+    noise = hash32(index.to(tl.uint32) ^ key) & 0xFFFF
+    rounded = ((x.to(tl.uint32, bitcast=True) + noise) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(x) < float("inf"), rounded, x)

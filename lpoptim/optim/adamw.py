@@ -20,6 +20,7 @@ LPOPTIM_DEFAULTS = dict(
     min_quant_numel=4096,
     expansion=True,
     sqrt_exp_avg_sq=False,
+    bf16_stochastic_round=False,
 )
 
 
@@ -38,6 +39,9 @@ class AdamW(Optimizer):
     - ``min_quant_numel`` (4096): smaller tensors (norms, biases) keep fp32 moments.
     - ``expansion`` (True): COAT's dynamic range expansion (per-group k, halves the rounding error).
     - ``sqrt_exp_avg_sq`` (False): store sqrt(v) rather than v (measured: no better; benchmarks/state_quant_error.py).
+    - ``bf16_stochastic_round`` (False): round bf16 parameters' updates stochastically (unbiased), so bf16 master
+      weights without an fp32 copy lose nothing to rounding (stochastic_round.py; torchao's option of that name).
+      Deterministic: the same steps give the same bits, on resume and on every data-parallel replica.
 
     ``foreach`` is accepted and has no effect. ``fused``: None picks the fused Triton kernel for CUDA tensors
     and the pure-torch reference elsewhere; True demands the kernel; False always uses the reference.
@@ -77,6 +81,7 @@ class AdamW(Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
+        self._salt_cache = None
         group = self.param_groups[-1]
         _check_group(group)
         for p in group["params"]:
@@ -119,7 +124,8 @@ class AdamW(Optimizer):
         beta1, beta2 = (float(b) for b in group["betas"])
         hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                      weight_decay=group["weight_decay"], amsgrad=group["amsgrad"], maximize=group["maximize"])
-        fused_batch = []
+        salts = self._salts() if group["bf16_stochastic_round"] else None
+        fused_batch, fused_salts = [], []
         for p in params:
             if p.grad is None:
                 continue
@@ -140,13 +146,23 @@ class AdamW(Optimizer):
                     continue
             if group["fused"] is not False and param.device.type == "cuda" and kernel.supports(param, grad, layout):
                 fused_batch.append((param, grad, state, layout))
+                fused_salts.append(salts[p] if salts else 0)
             elif group["fused"]:
                 raise RuntimeError(f"fused=True but the Triton kernel cannot step this parameter "
                                    f"({tuple(param.shape)}, {param.dtype}, {param.device}); use fused=None")
             else:
-                reference_adamw_step(param, grad, state, layout, grad_scale=grad_scale, found_inf=found_inf, **hyper)
+                reference_adamw_step(param, grad, state, layout, grad_scale=grad_scale, found_inf=found_inf,
+                                     sr_salt=salts[p] if salts else None, **hyper)
         if fused_batch:
-            kernel.fused_adamw_step(fused_batch, grad_scale=grad_scale, found_inf=found_inf, **hyper)
+            kernel.fused_adamw_step(fused_batch, grad_scale=grad_scale, found_inf=found_inf,
+                                    sr_salts=fused_salts if salts else None, **hyper)
+
+    def _salts(self) -> dict:
+        """Each parameter's index over all groups: its stochastic-rounding salt (stable across save and load)."""
+        salts = getattr(self, "_salt_cache", None)
+        if salts is None:  # built once; add_param_group drops it
+            salts = self._salt_cache = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        return salts
 
     @staticmethod
     def _new_state(p, param, layout: StateLayout, amsgrad: bool) -> dict:

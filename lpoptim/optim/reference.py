@@ -12,6 +12,7 @@ import torch
 
 from ..quant import dequantize_state, quantize_state
 from .state import StateLayout
+from .stochastic_round import round_bf16_stochastic, sr_key
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -40,8 +41,10 @@ def encode_moment(name: str, value: torch.Tensor, layout: StateLayout) -> dict[s
 def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, layout: StateLayout, *,
                          lr, beta1: float, beta2: float, eps: float, weight_decay: float, amsgrad: bool,
                          maximize: bool, grad_scale: torch.Tensor | None = None,
-                         found_inf: torch.Tensor | None = None) -> None:
+                         found_inf: torch.Tensor | None = None, sr_salt: int | None = None) -> None:
     """One AdamW step of ``param`` in place. ``state`` holds 'step' (fp32, on the device) and the moments.
+
+    ``sr_salt``: round a bf16 parameter stochastically (stochastic_round.py), with this salt in its key.
 
     ``grad_scale``/``found_inf`` follow torch's fused AdamW: gradients are divided by grad_scale, and when
     found_inf is non-zero nothing changes, the step count included. No host synchronisation happens here.
@@ -75,6 +78,8 @@ def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, l
     entries = {"step": step}
     for name, value in new.items():
         entries.update(encode_moment(name, value, layout))
+    if sr_salt is not None and param.dtype == torch.bfloat16:
+        p_new = round_bf16_stochastic(p_new, sr_key(step, sr_salt))
     p_new = p_new.to(param.dtype)
     if found_inf is not None:  # skip the whole step without asking the host: keep every old value
         skip = found_inf.to(dev) != 0

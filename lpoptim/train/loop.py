@@ -21,6 +21,7 @@ class RunConfig:
     optimizer: str = "torch"  # "torch" (torch.optim.AdamW) or "lpoptim" (lpoptim.AdamW)
     recipe: str | None = None  # convert_linears recipe: None, "fp8", "fp4", "int4"
     compress: bool = False  # compress_activations on every block
+    master: str = "fp32"  # "bf16": the parameters are bf16 (no fp32 copy); lpoptim then rounds stochastically
     steps: int = 200
     n_layer: int = 2
     n_head: int = 2
@@ -48,6 +49,8 @@ class RunConfig:
             parts.append(f"{self.recipe} linears")
         if self.compress:
             parts.append("FP8 activations")
+        if self.master == "bf16":
+            parts.append("bf16 params" + (" (SR)" if self.optimizer == "lpoptim" else ""))
         return " + ".join(parts)
 
 
@@ -65,7 +68,10 @@ def build_optimizer(cfg: RunConfig, model: GPT) -> torch.optim.Optimizer:
     if cfg.optimizer == "lpoptim":
         from ..optim import AdamW
 
-        return AdamW(groups, lr=cfg.lr, betas=cfg.betas, **cfg.optimizer_options)
+        options = dict(cfg.optimizer_options)
+        if cfg.master == "bf16":
+            options.setdefault("bf16_stochastic_round", True)
+        return AdamW(groups, lr=cfg.lr, betas=cfg.betas, **options)
     if cfg.optimizer == "torch":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, **cfg.optimizer_options)
     raise ValueError(f"optimizer must be 'torch' or 'lpoptim', got {cfg.optimizer!r}")
@@ -94,6 +100,10 @@ def train(cfg: RunConfig, data: CharData | None = None, progress=None) -> dict:
     model_cfg = GPTConfig(vocab_size=data.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
                           n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout)
     model = GPT(model_cfg).to(cfg.device)
+    if cfg.master == "bf16":
+        model.to(torch.bfloat16)
+    elif cfg.master != "fp32":
+        raise ValueError(f"master must be 'fp32' or 'bf16', got {cfg.master!r}")
     if cfg.recipe:
         from ..nn import convert_linears
 
