@@ -56,6 +56,8 @@ def copy_bandwidth(dev) -> float:
 
 def optimizers():
     yield "lpoptim.AdamW", lambda ps: lpoptim.AdamW(ps, lr=1e-3, weight_decay=0.1)
+    # bf16 parameters only: the update rounded stochastically (bf16 master weights)
+    yield "lpoptim.AdamW SR", lambda ps: lpoptim.AdamW(ps, lr=1e-3, weight_decay=0.1, bf16_stochastic_round=True)
     yield "torch AdamW fused", lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, fused=True)
     yield "torch AdamW foreach", lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, foreach=True)
     try:
@@ -134,6 +136,8 @@ def main(argv=None):
         for name, make in optimizers():
             if args.only and not any(s in name for s in args.only.split(",")):
                 continue
+            if name.endswith(" SR") and dtype != torch.bfloat16:
+                continue
             try:
                 r = time_optimizer(make, shapes, dtype, dev, args.steps, args.warmup)
             except Exception as e:  # noqa: BLE001 - a competitor failing is a result, not a crash
@@ -143,7 +147,7 @@ def main(argv=None):
             floor_ms = r["params"] * (3 * esize + 2 * r["state_bytes_per_param"]) / bw * 1e3
             r.update(name=name, dtype=str(dtype).replace("torch.", ""), floor_ms=floor_ms,
                      x_floor=r["step_ms"] / floor_ms)
-            if name == "lpoptim.AdamW":
+            if name.startswith("lpoptim.AdamW"):
                 r["target_ms"] = TARGETS_MS[dtype]
             rows.append(r)
             print(f"{name:24s} {r['dtype']:9s} {r['step_ms']:8.2f} ms  first {r['first_step_s']:6.2f} s  "

@@ -17,7 +17,9 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for w in $what; do
   echo "=== $w"
   case $w in
-    tests) python3 -m pytest -q -m gpu tests 2>&1 | tail -25 ;;
+    tests) python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -25 "$OUT/gpu_tests.txt" ;;
+    sass) python3 benchmarks/kernel_sass.py --out "$OUT" ;;
+    profile) python3 benchmarks/profile_step.py --out "$OUT" ;;
     optim) python3 benchmarks/optim_step.py --out "$OUT/optim_step.json" ;;
     activations) [ -f benchmarks/activations.py ] && python3 benchmarks/activations.py --out "$OUT/activations.json" ;;
     linear) [ -f benchmarks/linear.py ] && python3 benchmarks/linear.py --out "$OUT/linear.json" ;;

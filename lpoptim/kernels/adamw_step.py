@@ -218,6 +218,7 @@ class _Plan:
 
 
 _plans: dict = {}
+LAST_LAUNCH = None  # the compiled kernel of the latest launch (its .asm holds PTX/SASS: benchmarks/kernel_sass.py)
 
 # Launch settings, measured on an H200 with benchmarks/optim_kernel.py: groups per program and warps.
 TUNING = dict(block_groups=1, num_warps=1, loop=8)
@@ -306,12 +307,13 @@ def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_de
     decay = (1 - lr_t * weight_decay).reshape(1).contiguous() if lr_is_tensor else 1 - lr * weight_decay
     dummy = step_t
     sr_keys = dummy
+    global LAST_LAUNCH
     if salts is not None:
         if plan.salts_key != salts:  # copied once per batch of parameters, not every step
             plan.salts = _to_device(torch.tensor(salts, dtype=torch.int64), dev)
             plan.salts_key = salts
         sr_keys = as_int32(sr_key(step_t, plan.salts))
-    _adamw_kernel[(plan.n_blocks,)](
+    LAST_LAUNCH = _adamw_kernel[(plan.n_blocks,)](
         plan.ptrs, plan.dims, plan.blocks, step_size, inv_bc2_sqrt, decay if lr_is_tensor else dummy,
         grad_scale.to(dev, torch.float32) if grad_scale is not None else dummy,
         found_inf if found_inf is not None else dummy, sr_keys,

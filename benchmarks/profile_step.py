@@ -1,0 +1,71 @@
+"""Where one training step's time goes, per recipe: torch.profiler's op and kernel tables.
+
+    python3 benchmarks/profile_step.py --preset tinyllama-1.1b --recipes bf16,lpoptim+act --out results/profile
+
+For each recipe of ``lpoptim bench`` (same model, data and step) it runs --warmup steps, then profiles one,
+and writes ``profile_<recipe>.txt``: the ops by self CUDA time and by self CPU time. Printed: step wall time,
+GPU busy time (sum of kernel times) and the top ops, so host overhead (GPU idle while Python runs) shows as
+the gap between the two.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lpoptim.bench import DEFAULT_SHAPE, STACKS, build  # noqa: E402
+from lpoptim.train.llama import PRESETS  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="tinyllama-1.1b", choices=sorted(PRESETS))
+    ap.add_argument("--recipes", default="bf16,lpoptim+act")
+    ap.add_argument("--batch", type=int)
+    ap.add_argument("--seq", type=int)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--rows", type=int, default=30)
+    ap.add_argument("--out", type=Path, default=Path("results/profile"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    cfg = PRESETS[args.preset]
+    batch, seq = args.batch or DEFAULT_SHAPE[args.preset][0], args.seq or DEFAULT_SHAPE[args.preset][1]
+    for name in args.recipes.split(","):
+        model, opt, _handle = build(STACKS[name], cfg, "cuda", args.compile)
+        tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device="cuda")
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(tokens[:, :-1], tokens[:, 1:])[1]
+            loss.backward()
+            opt.step()
+
+        for _ in range(args.warmup):
+            step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        events = prof.key_averages()
+        gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        by_gpu = events.table(sort_by="self_cuda_time_total", row_limit=args.rows)
+        by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=args.rows)
+        (args.out / f"profile_{name}.txt").write_text(f"wall {wall * 1e3:.1f} ms (profiled), kernels {gpu_us / 1e3:.1f} ms\n\n"
+                                                      f"{by_gpu}\n\n{by_cpu}\n")
+        print(f"=== {name}: profiled step {wall * 1e3:.1f} ms wall, GPU kernels {gpu_us / 1e3:.1f} ms")
+        print(events.table(sort_by="self_cuda_time_total", row_limit=15))
+        del model, opt, _handle
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
