@@ -59,7 +59,7 @@ def main():
         gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
         by_gpu = events.table(sort_by="self_cuda_time_total", row_limit=args.rows)
         by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=args.rows)
-        (args.out / f"profile_{name}.txt").write_text(f"wall {wall * 1e3:.1f} ms (profiled), kernels {gpu_us / 1e3:.1f} ms\n\n"
+        (args.out / f"profile_{name.replace('+', '_')}.txt").write_text(f"wall {wall * 1e3:.1f} ms (profiled), kernels {gpu_us / 1e3:.1f} ms\n\n"
                                                       f"{by_gpu}\n\n{by_cpu}\n")
         print(f"=== {name}: profiled step {wall * 1e3:.1f} ms wall, GPU kernels {gpu_us / 1e3:.1f} ms")
         print(events.table(sort_by="self_cuda_time_total", row_limit=15))

@@ -17,6 +17,7 @@ round-to-nearest-even. tests/test_adamw_kernel.py states and checks the bound be
 """
 from __future__ import annotations
 
+import collections
 import functools
 import math
 
@@ -52,6 +53,15 @@ def supports(param: torch.Tensor, grad: torch.Tensor, layout) -> bool:
 
 if HAVE_TRITON:
     _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+    @triton.jit
+    def _address(row_ptrs, column, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+        """A tensor's address from the table. ALIGNED: the host checked that every address of the batch is a
+        multiple of 16 bytes; saying so lets the compiler load 4 elements per instruction, not 1."""
+        ptr = tl.load(row_ptrs + column).to(tl.pointer_type(DTYPE))
+        if ALIGNED:
+            ptr = tl.multiple_of(ptr, 16)
+        return ptr
 
     @triton.jit
     def _k_of(code):
@@ -116,7 +126,7 @@ if HAVE_TRITON:
         QUANT: tl.constexpr, EXPANSION: tl.constexpr, SQRT_V: tl.constexpr, AMSGRAD: tl.constexpr,
         MAXIMIZE: tl.constexpr, DECAY_IS_PTR: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
         HAS_FOUND_INF: tl.constexpr, EVEN_ROWS: tl.constexpr, ON_GPU: tl.constexpr, LOOP: tl.constexpr,
-        STOCHASTIC: tl.constexpr,
+        STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr,
     ):
         pid = tl.program_id(0)
         if HAS_FOUND_INF:
@@ -128,12 +138,12 @@ if HAVE_TRITON:
         groups_per_row = tl.load(dims + 3 * tensor + 1)
         total_groups = tl.load(dims + 3 * tensor + 2)
         row_ptrs = ptrs + N_PTRS_C * tensor
-        p_ptr = tl.load(row_ptrs + 0).to(tl.pointer_type(PARAM_DTYPE))
-        g_ptr = tl.load(row_ptrs + 1).to(tl.pointer_type(PARAM_DTYPE))
-        m_ptr = tl.load(row_ptrs + 2).to(tl.pointer_type(tl.uint8))
-        ms_ptr = tl.load(row_ptrs + 3).to(tl.pointer_type(tl.float32))
-        v_ptr = tl.load(row_ptrs + 4).to(tl.pointer_type(tl.uint8))
-        vs_ptr = tl.load(row_ptrs + 5).to(tl.pointer_type(tl.float32))
+        p_ptr = _address(row_ptrs, 0, PARAM_DTYPE, ALIGNED)
+        g_ptr = _address(row_ptrs, 1, PARAM_DTYPE, ALIGNED)
+        m_ptr = _address(row_ptrs, 2, tl.uint8, ALIGNED)
+        ms_ptr = _address(row_ptrs, 3, tl.float32, ALIGNED)
+        v_ptr = _address(row_ptrs, 4, tl.uint8, ALIGNED)
+        vs_ptr = _address(row_ptrs, 5, tl.float32, ALIGNED)
 
         step_size = tl.load(step_size_ptr + tensor)  # lr / (1 - beta1^t), computed on the device
         inv_bc2_sqrt = tl.load(bc2_sqrt_ptr + tensor)  # 1 / sqrt(1 - beta2^t)
@@ -144,8 +154,8 @@ if HAVE_TRITON:
         if DECAY_IS_PTR:  # 1 - lr * weight_decay, computed on the device for a Tensor lr
             decay = tl.load(decay_ptr)
         if AMSGRAD:
-            vm_ptr = tl.load(row_ptrs + 6).to(tl.pointer_type(tl.uint8))
-            vms_ptr = tl.load(row_ptrs + 7).to(tl.pointer_type(tl.float32))
+            vm_ptr = _address(row_ptrs, 6, tl.uint8, ALIGNED)
+            vms_ptr = _address(row_ptrs, 7, tl.float32, ALIGNED)
         else:
             vm_ptr = m_ptr
             vms_ptr = ms_ptr
@@ -156,7 +166,7 @@ if HAVE_TRITON:
             lane = tl.arange(0, G)[None, :]
             if EVEN_ROWS:  # rows are whole groups: the groups lie end to end
                 offs = gid * G + lane
-                mask = gmask & (lane < G)
+                mask = tl.broadcast_to(gmask, (BLOCK_G, G))  # whole groups: one mask bit per group
             else:  # the last group of each row is short
                 row = gid // groups_per_row
                 col = (gid - row * groups_per_row) * G + lane
@@ -217,7 +227,8 @@ class _Plan:
         self.salts = self.salts_key = None  # stochastic rounding's per-tensor salts, on the device
 
 
-_plans: dict = {}
+_plans: collections.OrderedDict = collections.OrderedDict()  # least recently used first
+MAX_PLANS = 4096
 LAST_LAUNCH = None  # the compiled kernel of the latest launch (its .asm holds PTX/SASS: benchmarks/kernel_sass.py)
 
 # Launch settings, measured on an H200 with benchmarks/optim_kernel.py: groups per program and warps.
@@ -229,9 +240,10 @@ def _tables(batch, layout, block_g: int) -> _Plan:
     # keyed by the parameters' addresses (which do not move): two groups or optimizers with the same shapes
     # must not share, and so rebuild, one table every step
     key = (dev, layout, block_g, tuple((p.data_ptr(), p.shape) for p, *_ in batch))
-    if key not in _plans and len(_plans) >= 256:  # optimizers come and go (tests, restarts): bound the cache
-        _plans.clear()
-    plan = _plans.setdefault(key, _Plan())
+    plan = _plans.pop(key, None) or _Plan()
+    _plans[key] = plan  # most recently used last
+    if len(_plans) > MAX_PLANS:  # optimizers come and go (tests, restarts): drop the least recently used
+        del _plans[next(iter(_plans))]
     if plan.dims is None:
         dims, blocks = [], []
         for t, (p, _g, _s, _l) in enumerate(batch):
@@ -239,22 +251,31 @@ def _tables(batch, layout, block_g: int) -> _Plan:
             rows = p.numel() // n
             gpr = -(-n // layout.group_size)
             dims.append((n, gpr, rows * gpr))
-            blocks += [(t, b) for b in range(0, rows * gpr, block_g)]
-        plan.dims = torch.tensor(dims, dtype=torch.int32).to(dev)
-        plan.blocks = torch.tensor(blocks, dtype=torch.int32).to(dev)
-        plan.n_blocks = len(blocks)
+            # (tensor, first group) of each program, built on the device: a 7B model has millions of programs
+            firsts = torch.arange(0, rows * gpr, block_g, dtype=torch.int32, device=dev)
+            blocks.append(torch.stack((torch.full_like(firsts, t), firsts), dim=1))
+        plan.dims = _to_device(torch.tensor(dims, dtype=torch.int32), dev)
+        plan.blocks = torch.cat(blocks).contiguous()
+        plan.n_blocks = plan.blocks.shape[0]
     addrs = []
     for p, g, s, _l in batch:
         row = [p.data_ptr(), g.data_ptr()]
         for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
             row += [s[name].data_ptr() if name in s else 0,
                     s[name + "_scale"].data_ptr() if name + "_scale" in s else 0]
-        addrs.append(row)
-    addr_key = tuple(map(tuple, addrs))
-    if addr_key != plan.addr_key:  # only when an address changed (set_to_none grads usually come back in place)
-        # asynchronous on CUDA: no host sync even when gradients come back at new addresses
+        addrs.append(tuple(row))
+    if plan.addr_key is None or len(plan.addr_key) != len(addrs):
         plan.ptrs = _to_device(torch.tensor(addrs, dtype=torch.int64), dev)
-        plan.addr_key = addr_key
+    elif addrs != plan.addr_key:  # usually only gradients moved (set_to_none, or a step per parameter in backward)
+        changed = [(t, c, v) for t, (new, old) in enumerate(zip(addrs, plan.addr_key)) for c, (v, o) in
+                   enumerate(zip(new, old)) if v != o]
+        if len(changed) <= 8:  # written in place by the device, in stream order: no host memory, no sync
+            for t, c, v in changed:
+                plan.ptrs[t, c].fill_(v)
+        else:  # a new table through pinned memory, copied asynchronously
+            plan.ptrs = _to_device(torch.tensor(addrs, dtype=torch.int64), dev)
+    plan.addr_key = addrs
+    plan.aligned = all(a % 16 == 0 for row in addrs for a in row)
     return plan
 
 
@@ -322,6 +343,6 @@ def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_de
         **_format_args(layout.exp_avg_format, "M"), **_format_args(layout.exp_avg_sq_format, "V"),
         QUANT=layout.quantized, EXPANSION=layout.expansion, SQRT_V=layout.sqrt_v, AMSGRAD=amsgrad, MAXIMIZE=maximize,
         DECAY_IS_PTR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-        LOOP=loop, EVEN_ROWS=even, ON_GPU=not interpreted(), STOCHASTIC=salts is not None,
+        LOOP=loop, EVEN_ROWS=even, ON_GPU=not interpreted(), STOCHASTIC=salts is not None, ALIGNED=plan.aligned,
         num_warps=TUNING["num_warps"], enable_fp_fusion=False,  # no fused multiply-adds: round as the reference does
     )
