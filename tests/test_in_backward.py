@@ -13,14 +13,15 @@ def model_and_data(seed=0):
     return m, data
 
 
-def test_step_in_backward_matches_usual_step_exactly():
+@pytest.mark.parametrize("bucket_mb", [0, 0.02, 128])  # one at a time, a few buckets, everything at the end
+def test_step_in_backward_matches_usual_step_exactly(bucket_mb):
     m1, data = model_and_data()
     m2, _ = model_and_data()
     o1 = lpoptim.AdamW(m1.parameters(), lr=1e-2, weight_decay=0.1, min_quant_numel=1024)
     o2 = lpoptim.AdamW(m2.parameters(), lr=1e-2, weight_decay=0.1, min_quant_numel=1024)
     sched = torch.optim.lr_scheduler.StepLR(o2, step_size=3, gamma=0.5)
     sched1 = torch.optim.lr_scheduler.StepLR(o1, step_size=3, gamma=0.5)
-    handle = lpoptim.step_in_backward(o2)
+    handle = lpoptim.step_in_backward(o2, bucket_mb=bucket_mb)
     for x, y in data:
         o1.zero_grad()
         (m1(x) - y).pow(2).mean().backward()

@@ -28,13 +28,12 @@ try:
     import triton.language as tl
 
     from .grid import (fast_exp2, fast_log2, fast_rcp, fp8_bits, fp8_cast_bits, fp8_value, grid_magnitude, interpreted,
-                       round_bf16_stochastic, store_as, with_sign_of)
+                       hash32, round_bf16_stochastic, store_as, with_sign_of)
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - triton is a dependency, but keep the reference usable without it
     HAVE_TRITON = False
 
 from ..formats import get_format
-from ..optim.stochastic_round import as_int32, sr_key
 from ..quant import K_MASK, K_STEPS, expansion_floor, inv_max
 
 # the address table's columns: param, grad, then (codes, scale) of exp_avg, exp_avg_sq, max_exp_avg_sq
@@ -116,7 +115,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _adamw_kernel(
-        ptrs, dims, blocks, step_size_ptr, bc2_sqrt_ptr, decay_ptr, grad_scale_ptr, found_inf_ptr, sr_key_ptr,
+        ptrs, dims, blocks, step_size_ptr, bc2_sqrt_ptr, decay_ptr, grad_scale_ptr, found_inf_ptr, step_ptr, salt_ptr,
         decay, one_minus_beta1, beta2, one_minus_beta2, eps,
         PARAM_DTYPE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
         M_E4M3: tl.constexpr, M_MAN: tl.constexpr, M_MINEXP: tl.constexpr, M_MAX: tl.constexpr, M_SPAN: tl.constexpr,
@@ -149,8 +148,9 @@ if HAVE_TRITON:
         inv_bc2_sqrt = tl.load(bc2_sqrt_ptr + tensor)  # 1 / sqrt(1 - beta2^t)
         if HAS_GRAD_SCALE:
             inv_grad_scale = 1.0 / tl.load(grad_scale_ptr)
-        if STOCHASTIC:  # the tensor's key for this step (stochastic_round.sr_key, computed on the device)
-            key = tl.load(sr_key_ptr + tensor).to(tl.uint32, bitcast=True)
+        if STOCHASTIC:  # the tensor's key for this step: stochastic_round.sr_key, here to save ~25 tiny launches
+            step = tl.load(step_ptr + tensor).to(tl.uint32)  # fp32 step counts are exact integers
+            key = hash32(hash32(step) + tl.load(salt_ptr + tensor).to(tl.uint32) * 0x9E3779B9)
         if DECAY_IS_PTR:  # 1 - lr * weight_decay, computed on the device for a Tensor lr
             decay = tl.load(decay_ptr)
         if AMSGRAD:
@@ -327,17 +327,14 @@ def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_de
     inv_bc2_sqrt = (1 - beta2 ** step_t).rsqrt().contiguous()
     decay = (1 - lr_t * weight_decay).reshape(1).contiguous() if lr_is_tensor else 1 - lr * weight_decay
     dummy = step_t
-    sr_keys = dummy
     global LAST_LAUNCH
-    if salts is not None:
-        if plan.salts_key != salts:  # copied once per batch of parameters, not every step
-            plan.salts = _to_device(torch.tensor(salts, dtype=torch.int64), dev)
-            plan.salts_key = salts
-        sr_keys = as_int32(sr_key(step_t, plan.salts))
+    if salts is not None and plan.salts_key != salts:  # copied once per batch of parameters, not every step
+        plan.salts = _to_device(torch.tensor(salts, dtype=torch.int32), dev)
+        plan.salts_key = salts
     LAST_LAUNCH = _adamw_kernel[(plan.n_blocks,)](
         plan.ptrs, plan.dims, plan.blocks, step_size, inv_bc2_sqrt, decay if lr_is_tensor else dummy,
         grad_scale.to(dev, torch.float32) if grad_scale is not None else dummy,
-        found_inf if found_inf is not None else dummy, sr_keys,
+        found_inf if found_inf is not None else dummy, step_t, plan.salts if salts is not None else dummy,
         0.0 if lr_is_tensor else decay, 1 - beta1, beta2, 1 - beta2, eps,
         PARAM_DTYPE=_TL_DTYPES[dtype], G=layout.group_size, BLOCK_G=block_g,
         **_format_args(layout.exp_avg_format, "M"), **_format_args(layout.exp_avg_sq_format, "V"),

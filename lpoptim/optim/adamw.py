@@ -111,12 +111,13 @@ class AdamW(Optimizer):
         return loss
 
     @torch.no_grad()
-    def step_param(self, param: torch.Tensor, group: dict | None = None) -> None:
-        """Update one parameter now, with its group's options, if it has a gradient: what
-        lpoptim.step_in_backward calls as each gradient is accumulated (``group`` saves the search)."""
+    def step_params(self, params, group: dict | None = None) -> None:
+        """Update these parameters of one group now (those with a gradient), with the group's options: what
+        lpoptim.step_in_backward calls as gradients are accumulated (``group`` saves the search)."""
+        params = list(params)
         if group is None:
-            group = next(g for g in self.param_groups if any(q is param for q in g["params"]))
-        self._step_group(group, [param], getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+            group = next(g for g in self.param_groups if any(q is params[0] for q in g["params"]))
+        self._step_group(group, params, getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
 
     def _step_group(self, group: dict, params, grad_scale, found_inf) -> None:
         from ..kernels import adamw_step as kernel  # imported lazily: triton is optional on the CPU
