@@ -6,7 +6,8 @@ bf16 autocast; a step is zero_grad, forward, backward, optimizer step (no clippi
 themselves; torch AdamW then keeps bf16 states and rounds to nearest, lpoptim rounds stochastically).
 
 Stacks: ``bf16`` (torch AdamW, fused on CUDA), ``torch-bf16`` (the same on bf16 parameters),
-``lpoptim`` (lpoptim.AdamW), ``lpoptim-bf16`` (on bf16 parameters), ``+bwd`` (step_in_backward), ``lpoptim+act`` (and
+``lpoptim`` (lpoptim.AdamW), ``lpoptim-bf16`` (on bf16 parameters), ``+bwd`` (step_in_backward), ``+ce`` (the LM
+head and loss chunk by chunk: lpoptim.nn.linear_cross_entropy), ``lpoptim+act`` (and
 compress_activations on every block), ``lpoptim+fp8+act`` / ``+fp4+act`` / ``+int4+act`` (and convert_linears),
 ``bnb`` (bitsandbytes AdamW8bit) and ``torchao`` (torchao float8 linears + AdamWFp8), the last two on CUDA only.
 
@@ -40,6 +41,7 @@ class Stack:
     label: str = ""
     in_backward: bool = False  # lpoptim.step_in_backward: each update (and gradient release) during backward
     master: str = "fp32"  # the parameters' dtype: "fp32" (bf16 autocast) or "bf16" (lpoptim: stochastic rounding)
+    chunked_loss: bool = False  # LM head + loss chunk by chunk (lpoptim.nn.linear_cross_entropy)
 
 
 STACKS = {
@@ -54,6 +56,10 @@ STACKS = {
                                   label="lpoptim.AdamW bf16 SR, step in backward, FP8 act."),
     "lpoptim-bf16+fp8+act+bwd": Stack("lpoptim", "fp8", True, in_backward=True, master="bf16",
                                       label="lpoptim.AdamW bf16 SR, step in backward, fp8 linears, FP8 act."),
+    "lpoptim-bf16+act+bwd+ce": Stack("lpoptim", compress=True, in_backward=True, master="bf16", chunked_loss=True,
+                                     label="lpoptim.AdamW bf16 SR, step in backward, FP8 act., chunked head+loss"),
+    "lpoptim-bf16+fp8+act+bwd+ce": Stack("lpoptim", "fp8", True, in_backward=True, master="bf16", chunked_loss=True,
+                                         label="lpoptim.AdamW bf16 SR, step in bwd, fp8 linears, FP8 act., chunked loss"),
     "lpoptim+fp8+act": Stack("lpoptim", "fp8", True, "lpoptim.AdamW + fp8 linears + FP8 act."),
     "lpoptim+fp4+act": Stack("lpoptim", "fp4", True, "lpoptim.AdamW + fp4 linears + FP8 act."),
     "lpoptim+int4+act": Stack("lpoptim", "int4", True, "lpoptim.AdamW + int4 linears + FP8 act."),
@@ -117,6 +123,7 @@ def build(stack: Stack, cfg: LlamaConfig, device: str, compile_blocks: bool):
         model = Llama(cfg)
     if stack.master == "bf16":
         model.to(torch.bfloat16)
+    model.chunked_loss = stack.chunked_loss
     if stack.linears == "torchao":
         from torchao.float8 import convert_to_float8_training
 

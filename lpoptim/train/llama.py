@@ -118,12 +118,18 @@ class Llama(nn.Module):
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        # True: head and loss computed chunk by chunk (lpoptim.nn.linear_cross_entropy), logits never whole
+        self.chunked_loss = False
 
     def forward(self, idx, targets=None):
         cos, sin = rotary_tables(self.cfg, idx.shape[1], idx.device)
         x = self.embed(idx)
         for block in self.layers:
             x = block(x, cos, sin)
+        if targets is not None and self.chunked_loss and type(self.lm_head) is nn.Linear:
+            from ..nn.linear_cross_entropy import linear_cross_entropy
+
+            return None, linear_cross_entropy(self.norm(x), self.lm_head.weight, targets)
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits, None

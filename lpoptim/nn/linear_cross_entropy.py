@@ -1,0 +1,72 @@
+"""The LM head and the cross-entropy loss in one step, chunk by chunk: the logits never exist whole.
+
+Why: at batch 4 x 2048 with a 32000-token vocabulary the logits are 262 M numbers; autocast's bf16 logits, the
+fp32 copy the loss is computed in and what cross_entropy saves for backward come to about 2.5 GB, more than a
+TinyLlama's optimizer states. Here each chunk of tokens gets its logits, loss and gradients (with respect to
+the hidden states and the head's weight) at once, in forward, and the logits are dropped; backward only scales
+the stored gradients by the incoming one. What stays is one gradient of the hidden states (tokens x d, the
+compute dtype) and one of the weight (fp32, the weight's shape) — the approach of Liger-Kernel's fused linear
+cross-entropy, in plain torch ops.
+
+Numerics are F.cross_entropy's on fp32 logits (mean over targets that are not ``ignore_index``); the logits are
+computed in the hidden states' dtype, as autocast would. Tested against the unfused head and loss.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk: int, ignore_index: int):
+        h = hidden.reshape(-1, hidden.shape[-1])
+        t = targets.reshape(-1)
+        w = weight.to(h.dtype)  # the compute dtype: bf16 under autocast, as nn.Linear would run
+        valid = t != ignore_index
+        count = valid.sum().clamp_min(1).float()  # a device tensor: no host sync
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if hidden.requires_grad else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if weight.requires_grad else None
+        for s in range(0, h.shape[0], chunk):
+            hs, ts, vs = h[s:s + chunk], t[s:s + chunk], valid[s:s + chunk]
+            logits = (hs @ w.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, ts.clamp_min(0)[:, None]).squeeze(1)
+            loss += torch.where(vs, lse - picked, 0.0).sum()
+            # d(loss)/d(logits) = softmax - onehot, for the sum over this chunk (scaled by 1/count in backward)
+            g = logits.sub_(lse[:, None]).exp_()
+            g.scatter_add_(1, ts.clamp_min(0)[:, None], torch.full_like(picked, -1.0)[:, None])
+            g.mul_(vs[:, None])
+            g = g.to(h.dtype)
+            if grad_h is not None:
+                torch.matmul(g, w, out=grad_h[s:s + chunk])
+            if grad_w is not None:
+                grad_w += (g.t() @ hs).float()
+        ctx.save_for_backward(grad_h, grad_w, count)
+        ctx.shapes = (hidden.shape, weight.dtype)
+        return loss / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w, count = ctx.saved_tensors
+        hidden_shape, weight_dtype = ctx.shapes
+        scale = grad_loss / count
+        gh = (grad_h * scale.to(grad_h.dtype)).reshape(hidden_shape) if grad_h is not None else None
+        gw = (grad_w * scale).to(weight_dtype) if grad_w is not None else None
+        return gh, gw, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                         chunk: int | None = None, ignore_index: int = -100) -> torch.Tensor:
+    """``F.cross_entropy((hidden @ weight.T).float().view(-1, V), targets.view(-1))`` without the logits.
+
+    ``chunk``: tokens per chunk (default: about 64 MiB of fp32 logits per chunk)."""
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} disagree")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden size {hidden.shape[-1]} != weight's in-features {weight.shape[1]}")
+    if torch.is_autocast_enabled(hidden.device.type):  # the head's GEMM in autocast's dtype, as nn.Linear
+        hidden = hidden.to(torch.get_autocast_dtype(hidden.device.type))
+    chunk = chunk or max(1, (64 << 20) // (4 * weight.shape[0]))
+    with torch.autocast(hidden.device.type, enabled=False):
+        return LinearCrossEntropyFunction.apply(hidden, weight, targets, chunk, ignore_index)

@@ -1,0 +1,49 @@
+"""The chunked LM head + cross-entropy against nn.Linear + F.cross_entropy: same loss, same gradients."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lpoptim.nn.linear_cross_entropy import linear_cross_entropy
+
+
+def _reference(h, w, t, ignore_index=-100):
+    logits = h @ w.t()
+    return F.cross_entropy(logits.float().view(-1, w.shape[0]), t.view(-1), ignore_index=ignore_index)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, None])
+def test_matches_unfused_head_and_loss_fp32(chunk):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(3, 20, 32, generator=g, requires_grad=True)
+    w = torch.randn(50, 32, generator=g, requires_grad=True)
+    t = torch.randint(0, 50, (3, 20), generator=g)
+    t[0, :4] = -100  # ignored positions count neither in the mean nor in the gradients
+    ref = _reference(h, w, t)
+    gh, gw = torch.autograd.grad(ref * 2.5, (h, w))
+    out = linear_cross_entropy(h, w, t, chunk=chunk)
+    fh, fw = torch.autograd.grad(out * 2.5, (h, w))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fh, gh, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(fw, gw, rtol=1e-4, atol=1e-6)
+
+
+def test_under_bf16_autocast_with_fp32_weight():
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(64, 32, generator=g, requires_grad=True)
+    w = torch.randn(40, 32, generator=g, requires_grad=True)
+    t = torch.randint(0, 40, (64,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F.cross_entropy((h @ w.t()).float(), t)  # bf16 GEMM, as nn.Linear under autocast
+    gh, gw = torch.autograd.grad(ref, (h, w))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear_cross_entropy(h, w, t, chunk=16)
+    fh, fw = torch.autograd.grad(out, (h, w))
+    assert fw.dtype == torch.float32 and fh.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
+    assert F.cosine_similarity(fh.flatten(), gh.flatten(), dim=0) > 0.999
+    assert F.cosine_similarity(fw.flatten(), gw.flatten(), dim=0) > 0.999
+
+
+def test_refuses_mismatched_shapes():
+    with pytest.raises(ValueError, match="targets"):
+        linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(5, dtype=torch.long))
