@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 import lpoptim
 from lpoptim.optim import distributed as lpdist
 
-STEPS, SAVE_AT, WORLD, BATCH = 6, 3, 2, 16
+STEPS, SAVE_AT, WORLD, BATCH = 13, 3, 2, 16  # 10 steps after the save (issue 6)
 OPT = dict(lr=1e-2, weight_decay=0.1, min_quant_numel=200, group_size=32)
 
 
