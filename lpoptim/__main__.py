@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from . import bench
 from .bench import STACKS
 
 PRESETS = {
@@ -138,7 +139,8 @@ def cmd_bench(args, argv) -> int:
             raise SystemExit(f"unknown recipe {name!r}; choose from {','.join(bench.STACKS)}")
     print(f"lpoptim bench: {preset}, {args.batch or batch} x {args.seq or seq} tokens, {device}", file=sys.stderr)
     report = bench.run(preset, recipes, args.batch or batch, args.seq or seq, args.steps, args.warmup, device,
-                       compile_blocks=args.compile, log=lambda s: print(s, file=sys.stderr, flush=True))
+                       compile_blocks=args.compile, log=lambda s: print(s, file=sys.stderr, flush=True),
+                       n_layer=args.n_layer, memory_cap_gib=args.memory_cap_gib)
     report["command"] = shlex.join(["python", "-m", "lpoptim", *argv])
     paths = bench.write(report, Path(args.out))
     print("\n" + bench.table(report))
@@ -158,7 +160,7 @@ def main(argv=None) -> int:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", default="results", help="folder for train.json and train_loss.png")
     b = sub.add_parser("bench", help="memory and tokens/s of one training step of a Llama-shaped model per recipe")
-    b.add_argument("--preset", choices=["tiny", "tinyllama-1.1b", "llama2-7b", "llama2-13b"],
+    b.add_argument("--preset", choices=list(bench.DEFAULT_SHAPE),
                    help="model shape (default: tiny on CPU, tinyllama-1.1b on GPU)")
     b.add_argument("--batch", type=int, help="sequences per step (default: tiny 2, tinyllama 4, 7B/13B 1)")
     b.add_argument("--seq", type=int, help="tokens per sequence (default: tiny 64, others 2048)")
@@ -167,6 +169,9 @@ def main(argv=None) -> int:
     b.add_argument("--steps", type=int, default=5, help="timed steps (median), after --warmup")
     b.add_argument("--warmup", type=int, default=2, help="untimed steps first (kernel compilation, state allocation)")
     b.add_argument("--compile", action="store_true", help="torch.compile each decoder block")
+    b.add_argument("--n-layer", type=int, help="override the preset's number of layers (to find the largest model)")
+    b.add_argument("--memory-cap-gib", type=float,
+                   help="allow the CUDA allocator this many GiB (e.g. 79.6 to stand in for an 80 GB H100 on a larger GPU)")
     b.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     b.add_argument("--out", default="results", help="folder for bench.json and bench.png")
     argv = sys.argv[1:] if argv is None else list(argv)

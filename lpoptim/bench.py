@@ -24,7 +24,7 @@ import gc
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -68,7 +68,8 @@ STACKS = {
 }
 
 # (batch, seq) when not given on the command line
-DEFAULT_SHAPE = {"tiny": (2, 64), "tinyllama-1.1b": (4, 2048), "llama2-7b": (1, 2048), "llama2-13b": (1, 2048)}
+DEFAULT_SHAPE = {"tiny": (2, 64), "tinyllama-1.1b": (4, 2048), "llama2-7b": (1, 2048), "llama2-13b": (1, 2048),
+                 "llama-30b": (1, 2048)}
 
 PARTS = ("params", "grads", "states", "activations")
 
@@ -244,9 +245,17 @@ def free_memory():
 
 
 def run(preset: str, recipes: list[str], batch: int, seq: int, steps: int, warmup: int, device: str,
-        compile_blocks: bool = False, log=print) -> dict:
-    """Benchmark each recipe in turn; returns the dict written to bench.json."""
-    cfg = PRESETS[preset]
+        compile_blocks: bool = False, log=print, n_layer: int | None = None, memory_cap_gib: float | None = None) -> dict:
+    """Benchmark each recipe in turn; returns the dict written to bench.json.
+
+    ``n_layer`` overrides the preset's depth; ``memory_cap_gib`` caps the CUDA allocator (an 80 GB GPU's budget
+    on a larger one: torch.cuda.set_per_process_memory_fraction)."""
+    cfg = PRESETS[preset] if n_layer is None else replace(PRESETS[preset], n_layer=n_layer)
+    if memory_cap_gib is not None:
+        if device != "cuda":
+            raise ValueError("--memory-cap-gib needs CUDA")
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap_gib * 2**30 / total))
     steps, warmup = max(1, steps), max(1, warmup)  # the last warm-up step is the one that measures memory
     results = []
     for name in recipes:
@@ -275,7 +284,7 @@ def run(preset: str, recipes: list[str], batch: int, seq: int, steps: int, warmu
         free_memory()
         results.append(row)
     env = dict(device=device, gpu=torch.cuda.get_device_name() if device == "cuda" else None,
-               torch=torch.__version__, triton=_triton_version())
+               torch=torch.__version__, triton=_triton_version(), memory_cap_gib=memory_cap_gib)
     return dict(env=env, preset=preset, model=asdict(cfg), batch=batch, seq=seq, steps=steps, warmup=warmup,
                 compile=compile_blocks, peak_measured=device == "cuda", results=results)
 
@@ -301,7 +310,9 @@ def table(report: dict) -> str:
         f"{m['n_head']}/{m['n_kv_head']} heads, vocab {m['vocab_size']}), batch {report['batch']} x {report['seq']}, "
         f"bf16 autocast, fp32 master (bf16 for -bf16 recipes), {'blocks compiled' if report['compile'] else 'eager'}; "
         f"median of {report['steps']} steps after {report['warmup']} warm-up",
-        f"device: {env['gpu'] or 'CPU'}, torch {env['torch']}, triton {env['triton']}",
+        f"device: {env['gpu'] or 'CPU'}, torch {env['torch']}, triton {env['triton']}"
+        + (f", allocator capped at {env['memory_cap_gib']} GiB" if env.get("memory_cap_gib") else ""),
+        f"parameters: {report['results'][0].get('params', 0) / 1e9:.2f} B" if report["results"] else "",
         f"command: {report.get('command', '')}",
     ]
     if not cuda:

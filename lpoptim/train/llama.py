@@ -34,6 +34,8 @@ PRESETS = {
     "tinyllama-1.1b": LlamaConfig(vocab_size=32000, n_layer=22, d_model=2048, ffn_dim=5632, n_head=32, n_kv_head=4),
     "llama2-7b": LlamaConfig(vocab_size=32000, n_layer=32, d_model=4096, ffn_dim=11008, n_head=32, n_kv_head=32),
     "llama2-13b": LlamaConfig(vocab_size=32000, n_layer=40, d_model=5120, ffn_dim=13824, n_head=40, n_kv_head=40),
+    # LLaMA-1 30B's widths (32.5 B parameters at 60 layers); `lpoptim bench --n-layer` trims it to what fits
+    "llama-30b": LlamaConfig(vocab_size=32000, n_layer=60, d_model=6656, ffn_dim=17920, n_head=52, n_kv_head=52),
 }
 
 
