@@ -336,3 +336,118 @@ def test_training_quality_tinyshakespeare():
             losses[wrapped] = sum(model(*data.batch("val", 32, 64, g))[1].item() for _ in range(8)) / 8
     assert losses[True] < 2.8  # it learned something (from ln 65 = 4.17)
     assert abs(losses[True] - losses[False]) <= 0.01 * losses[False], losses
+
+
+def _tiny_llama(dtype=torch.float32):
+    from lpoptim.train.llama import Block as LlamaBlock, LlamaConfig, rotary_tables
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, n_layer=1, d_model=128, ffn_dim=352, n_head=4, n_kv_head=2)
+    cos, sin = rotary_tables(cfg, 32, "cpu")
+    return LlamaBlock(cfg).to(dtype), (cos, sin)
+
+
+def _counting(monkeypatch):
+    """Count, by object, how often backward decodes each packed copy and replays each derived tensor."""
+    from lpoptim.activations import codec, derive
+
+    counts = {}
+    real_decode, real_replay = codec.PackedActivation.decode, derive.Derived.replay
+
+    def decode(self):
+        counts[id(self)] = counts.get(id(self), 0) + 1
+        return real_decode(self)
+
+    def replay(self):
+        counts[id(self)] = counts.get(id(self), 0) + 1
+        return real_replay(self)
+
+    monkeypatch.setattr(codec.PackedActivation, "decode", decode)
+    monkeypatch.setattr(derive.Derived, "replay", replay)
+    return counts
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_shared_copies_are_decoded_once_and_gradients_do_not_change(monkeypatch, autocast):
+    """A tensor saved by several ops (the norm output by q, k and v; a norm's input by pow and mul) and read by
+    replays is decoded (or replayed) once per backward, not once per reader; the gradients are the same bits as
+    with one decode per reader, and a second backward through a retained graph gets them again."""
+    from lpoptim.activations import hooks
+
+    block, (cos, sin) = _tiny_llama(torch.float32 if autocast else torch.bfloat16)
+    x = torch.randn(2, 32, 128, dtype=torch.float32 if autocast else torch.bfloat16)
+
+    def grads():
+        xx = x.detach().requires_grad_(True)
+        block.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = block(xx, cos, sin)
+        w = torch.linspace(-1, 1, y.shape[-1])
+        (y.float() * w).pow(2).sum().backward(retain_graph=True)
+        first = {"input": xx.grad.clone()} | {n: p.grad.clone() for n, p in block.named_parameters()}
+        return first, y, w, xx
+
+    handle = compress_activations(block)
+    with monkeypatch.context() as m:
+        m.setattr(hooks, "count_use", lambda obj: None)  # no reader counts: every reader decodes for itself
+        ref = grads()[0]
+    counts = _counting(monkeypatch)
+    got, y, w, xx = grads()
+    assert counts and max(counts.values()) == 1, sorted(counts.values())
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    # every shared copy let go of its decoded value after its last reader: a retained graph decodes afresh
+    counts.clear()
+    block.zero_grad(set_to_none=True)
+    xx.grad = None
+    (y.float() * w).pow(2).sum().backward()
+    assert counts and max(counts.values()) == 1
+    assert torch.equal(xx.grad, ref["input"])
+    handle.remove()
+
+
+def test_autocast_weight_casts_are_replayed_not_packed():
+    """Under autocast, linear saves autocast's bf16 copy of each fp32 weight, transposed. It is replayed from the
+    parameter (a contiguous cast, viewed transposed) rather than packed (a strided copy each way and a byte a
+    parameter): recorded as derived. A cast of the block's input (a leaf that is no parameter) is packed as before."""
+    block, (cos, sin) = _tiny_llama()
+    x = torch.randn(2, 32, 128, requires_grad=True)
+    weights = {tuple(m.weight.t().shape) for m in block.modules() if isinstance(m, nn.Linear)}
+    ref = _grads_autocast(block, x, cos, sin)
+    with compress_activations(block) as handle, handle.record() as stats:
+        got = _grads_autocast(block, x, cos, sin)
+    linear = [r for r in stats.records if r.op == "linear" and r.dtype == "bfloat16" and r.shape in weights]
+    assert len(linear) == 7 and all(r.kind == "derived" for r in linear), linear
+    assert any(r.kind == "fp8_row" and r.op == "linear" for r in stats.records)  # the inputs' casts
+    assert _min_cos(ref, got) >= 0.999
+
+    frozen, _ = _tiny_llama()
+    frozen.requires_grad_(False)  # no grad: autocast's copies have no graph to recognise them by: packed
+    with compress_activations(frozen) as handle, handle.record() as stats, \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        frozen(x, cos, sin)
+    linear = [r for r in stats.records if r.op == "linear" and r.shape in weights]
+    assert linear and not any(r.kind == "derived" for r in linear)
+
+    leaf = torch.randn(64, 128, requires_grad=True)  # a leaf input: autocast caches its cast too; not a parameter
+    lin = nn.Linear(128, 128)
+    with compress_activations(lin) as handle, handle.record() as stats, torch.autocast("cpu", dtype=torch.bfloat16):
+        lin(leaf)
+    kinds = {r.shape: r.kind for r in stats.records}
+    assert kinds[(128, 128)] == "derived" and kinds[(64, 128)] == "fp8_row", kinds
+
+
+def _grads_autocast(block, x, cos, sin):
+    x = x.detach().requires_grad_(True)
+    block.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = block(x, cos, sin)
+    (y.float() * torch.linspace(-1, 1, y.shape[-1])).pow(2).sum().backward()
+    return {"input": x.grad.float()} | {n: p.grad.float() for n, p in block.named_parameters()}
+
+
+def test_policy_granularity_memo_matches_the_rules():
+    policy = ActivationPolicy(attention="keep", gemm_granularity="tensor")
+    for op in ("linear", "matmul", "scaled_dot_product_attention", "silu", "mul", None, "linear", None):
+        assert policy.granularity_for(op) == policy.granularity_of(policy.kind_of(op), op)
+    assert ActivationPolicy() == ActivationPolicy()  # the memo is no field: equality and hashing ignore it
+    assert hash(policy) == hash(ActivationPolicy(attention="keep", gemm_granularity="tensor"))

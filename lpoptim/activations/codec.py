@@ -7,7 +7,7 @@ compute the same bits in one pass. ``LPOPTIM_ACT_BACKEND=torch`` forces the refe
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,16 +29,36 @@ class PackedActivation:
     shape: tuple[int, ...]
     stride: tuple[int, ...]  # the original strides, restored on unpack when they were not contiguous
     fmt: FloatFormat = E4M3
+    # How many saved slots and replays (derive.py) read this copy, counted by hooks.py: one tensor is often
+    # saved by several ops (x by q, k and v's projections; a norm's input by pow and mul) and read again by the
+    # replays that use it. Unpacking decodes once and hands the result to the next ``uses - 1`` readers, then
+    # lets go of it: one kernel launch instead of one per reader. The value is held from its first reader to its
+    # last (a few nodes of one block's backward, where autograd alone would have held it since forward), and
+    # shared: readers must not write to it, which autograd's formulas do not.
+    uses: int = field(default=0, init=False, repr=False, compare=False)
+    _memo: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _left: int = field(default=0, init=False, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
         return self.codes.numel() * self.codes.element_size() + self.scale.numel() * self.scale.element_size()
 
     def unpack(self) -> torch.Tensor:
-        if _use_triton(self.codes):
-            from ..kernels import act_quant
+        memo = self._memo
+        if memo is not None:
+            self._left -= 1
+            if self._left <= 0:
+                self._memo = None
+            return memo
+        out = self.decode()
+        if self.uses > 1:
+            self._memo, self._left = out, self.uses - 1
+        return out
 
-            out = act_quant.dequantize(self.codes.view(torch.uint8), self.scale, self.granularity,
+    def decode(self) -> torch.Tensor:
+        """The tensor's value (dequantized, in its dtype and strides), computed afresh."""
+        if _use_triton(self.codes):
+            out = _kernels().dequantize(self.codes.view(torch.uint8), self.scale, self.granularity,
                                        self.group_size, self.dtype)
         else:
             out = _as_quantized(self).dequantize().to(self.dtype)
@@ -70,14 +90,36 @@ def _as_quantized(p: PackedActivation) -> Quantized:
                      tuple(p.shape))
 
 
+_ACT_QUANT = None
+
+
+def _kernels():
+    """lpoptim.kernels.act_quant, imported on first use (it imports Triton) and then kept: a ``from ..kernels
+    import`` statement costs ~1 us of import machinery on every pack and unpack."""
+    global _ACT_QUANT
+    if _ACT_QUANT is None:
+        from ..kernels import act_quant
+
+        _ACT_QUANT = act_quant
+    return _ACT_QUANT
+
+
 def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and os.environ.get("LPOPTIM_ACT_BACKEND", "triton") != "torch"
 
 
 def packed_nbytes(t: torch.Tensor, granularity: str, group_size: int) -> int:
-    """Bytes a tensor would take packed (codes + scales), without packing it."""
+    """Bytes a tensor would take packed (codes + scales), without packing it. (Called for every saved tensor, so
+    without a table built per call.)"""
     r, n = rows_of(t.shape)
-    scales = {"tensor": 1, "row": r, "group": r * -(-n // group_size)}[granularity]
+    if granularity == "row":
+        scales = r
+    elif granularity == "group":
+        scales = r * -(-n // group_size)
+    elif granularity == "tensor":
+        scales = 1
+    else:
+        raise KeyError(granularity)
     return t.numel() + 4 * scales
 
 
@@ -88,9 +130,9 @@ def pack(t: torch.Tensor, granularity: str, group_size: int = 16, fmt: FloatForm
     shape, stride = tuple(t.shape), tuple(t.stride())
     x = t.detach()
     if _use_triton(x) and fmt is E4M3:
-        from ..kernels import act_quant
-
-        x = x.contiguous()
+        act_quant = _kernels()
+        if not x.is_contiguous():  # (the test is free; contiguous() is a dispatched op even when it does nothing)
+            x = x.contiguous()
         if granularity == "group":
             codes, scale = act_quant.quantize_groups(x, group_size)
         elif granularity == "row":
@@ -105,4 +147,6 @@ def pack(t: torch.Tensor, granularity: str, group_size: int = 16, fmt: FloatForm
         r, _ = rows_of(shape)
         scale = q.scale.reshape(1) if granularity == "tensor" else q.scale.reshape(r, -1) if granularity == "group" \
             else q.scale.reshape(r)
-    return PackedActivation(codes, scale.contiguous(), granularity, group_size, t.dtype, shape, stride, fmt)
+    if not scale.is_contiguous():
+        scale = scale.contiguous()
+    return PackedActivation(codes, scale, granularity, group_size, t.dtype, shape, stride, fmt)

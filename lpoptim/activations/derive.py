@@ -13,12 +13,21 @@ tensors, constants passed to the block (rotary tables, masks), or other derivabl
 If every argument resolves, what is saved is a ``Derived``: no bytes of its own; backward calls the function on
 the unpacked arguments. Otherwise the tensor is packed as usual. Version counters must match at every step, so an
 in-place change after use is never replayed from a stale copy.
+
+Autocast's casts happen below torch functions, so they get no Source. The one that matters, the bf16 copy of an
+fp32 weight that ``linear`` saves (transposed), is recognised from the autograd graph instead (``_param_cast``)
+and replayed from the parameter.
+
+A Derived (like a PackedActivation) read by several saved slots or replays is computed once per backward: the
+readers are counted as pack hands it out (``count_use``) and the value is dropped after the last one.
 """
 from __future__ import annotations
 
 import weakref
 
 import torch
+
+_Tensor = torch.Tensor
 
 # Tensor methods and functions by ``__name__``; none random, none in place.
 DERIVABLE_OPS = frozenset({
@@ -48,39 +57,49 @@ def record(ctx, func, args, kwargs, out) -> None:
     Each tensor argument is noted as what will give its value later without holding it: what already holds it
     (its packed copy, a parameter, a tiny or constant tensor), else its own Source (which holds no data), plus a
     weak reference to it in case it is packed later."""
-    if type(out) is not torch.Tensor or not out.dtype.is_floating_point:
+    if type(out) is not _Tensor or not out.dtype.is_floating_point:
         return
     entries = []
     for a in args:
-        if isinstance(a, torch.Tensor):
+        if isinstance(a, _Tensor):
             if a is out:
                 return  # x.to(x.dtype) returns x itself: nothing to replay
             entries.append((True, _note(ctx, a)))
-        elif isinstance(a, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in a):
+        elif isinstance(a, (list, tuple)) and any(isinstance(v, _Tensor) for v in a):
             return
         else:
             entries.append((False, a))
-    if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+    if kwargs and any(isinstance(v, _Tensor) for v in kwargs.values()):
         return
     try:
-        setattr(out, _SRC, Source(ctx.token, func, entries, dict(kwargs), out._version))
+        setattr(out, _SRC, Source(ctx.token, func, entries, dict(kwargs) if kwargs else {}, out._version))
     except (AttributeError, RuntimeError):
         pass
 
 
 def _note(ctx, a: torch.Tensor):
-    """(ready source or None, a's Source or None, weakref to a, a's version)."""
-    ready = _held_or_cheap(ctx, a)
+    """(ready source or None, a's Source or None, weakref to a or None, a's version).
+
+    This runs for every tensor argument of every derivable op in a wrapped forward (~60 a Llama block), so it
+    does no more than it must: when something holds ``a`` already, that is what a replay will use (a later note
+    on ``a`` of the same version would name the same value), so neither its Source nor a weak reference is
+    needed."""
+    version = a._version
+    h = getattr(a, _HELD, None)  # held(), inlined
+    if h is not None and h[0] is ctx.token and h[1] == version:
+        return h[2], None, None, version
+    ready = _cheap(ctx, a)
+    if ready is not None:
+        return ready, None, None, version
     src = getattr(a, _SRC, None)
-    if src is not None and (src.token is not ctx.token or src.version != a._version):
+    if src is not None and (src.token is not ctx.token or src.version != version):
         src = None
-    return ready, src, weakref.ref(a), a._version
+    return None, src, weakref.ref(a), version
 
 
-def _held_or_cheap(ctx, a: torch.Tensor):
-    h = held(ctx.token, a)
-    if h is not None:
-        return h
+def _cheap(ctx, a: torch.Tensor):
+    """What holds ``a`` at no cost of ours, when nothing we packed does: the module, the caller, or ``a`` itself
+    when it is tiny; None otherwise."""
     if ctx.is_module_tensor(a):
         return a  # a parameter or buffer: the module holds it
     if a.numel() < ctx.policy.min_numel:
@@ -94,7 +113,11 @@ def is_constant(ctx, a: torch.Tensor) -> bool:
     """Passed to the block without needing grad (or a view of such a tensor): the caller holds it."""
     if a.requires_grad:
         return False
-    return id(a) in ctx.constant_ids or (a._base is not None and id(a._base) in ctx.constant_ids)
+    ids = ctx.constant_ids
+    if id(a) in ids:
+        return True
+    base = a._base
+    return base is not None and id(base) in ids
 
 
 def remember(token, t: torch.Tensor, held) -> None:
@@ -113,26 +136,53 @@ def held(token, t: torch.Tensor):
 
 
 class Derived:
-    """A saved tensor replayed in backward: ``func`` on the unpacked arguments."""
+    """A saved tensor replayed in backward: ``func`` on the unpacked arguments.
 
-    __slots__ = ("func", "args", "kwargs")
+    ``uses`` counts its readers (saved slots and other Deriveds, see ``count_use``): like a PackedActivation, it
+    is replayed once and the result handed to the next ``uses - 1`` readers, then let go of. RMSNorm's output,
+    saved by the q, k and v projections, is one replay instead of three."""
+
+    __slots__ = ("func", "args", "kwargs", "uses", "_memo", "_left")
 
     def __init__(self, func, args, kwargs):
         self.func, self.args, self.kwargs = func, args, kwargs
+        self.uses, self._memo, self._left = 0, None, 0
 
     def unpack(self) -> torch.Tensor:
-        vals = [_unpack(v) if is_t else v for is_t, v in self.args]
+        memo = self._memo
+        if memo is not None:
+            self._left -= 1
+            if self._left <= 0:
+                self._memo = None
+            return memo
+        out = self.replay()
+        if self.uses > 1:
+            self._memo, self._left = out, self.uses - 1
+        return out
+
+    def replay(self) -> torch.Tensor:
+        vals = [(v if isinstance(v, torch.Tensor) else v.unpack()) if is_t else v for is_t, v in self.args]
+        if not torch.is_grad_enabled():  # backward runs without grad (unless create_graph): skip the context
+            return self.func(*vals, **self.kwargs)
         with torch.no_grad():
             return self.func(*vals, **self.kwargs)
+
+
+def count_use(obj) -> None:
+    """Count one more reader of ``obj`` (a PackedActivation or Derived): a saved slot pack() hands it to, or a
+    Derived that has it as an argument. A Derived counts its arguments when it gets its first reader, once:
+    however many read it, it replays (and so reads them) once. Readers that never come (a node backward does
+    not run) only keep the decoded value until the graph is freed."""
+    obj.uses += 1
+    if obj.uses == 1 and type(obj) is Derived:
+        for is_t, v in obj.args:
+            if is_t and not isinstance(v, torch.Tensor):
+                count_use(v)
 
 
 def _view_of(base: torch.Tensor, size, stride, offset: int) -> torch.Tensor:
     """The view ``(size, stride)`` at ``offset`` elements past ``base``'s own start."""
     return base.as_strided(size, stride, base.storage_offset() + offset)
-
-
-def _unpack(x):
-    return x.unpack() if hasattr(x, "unpack") else x
 
 
 def derive(ctx, t: torch.Tensor):
@@ -141,19 +191,60 @@ def derive(ctx, t: torch.Tensor):
     if src is not None and src.token is ctx.token and src.version == t._version:
         return _from_source(ctx, src, 0)
     base = t._base
-    if base is not None and t._version == base._version:
-        # A view made inside an op (F.linear flattens its input): replay the view on the base. A packed or kept
-        # base comes back with its original strides; a replayed one only when it was contiguous.
+    if base is None:
+        return _param_cast(ctx, t)
+    if t._version == base._version:
+        # A view made inside an op (F.linear flattens its input, and takes its weight transposed): replay the
+        # view on the base. A packed or kept base comes back with its original strides; a replayed one only when
+        # it was contiguous.
         b = held(ctx.token, base)
         if b is None and base.is_contiguous():
             bsrc = getattr(base, _SRC, None)
             if bsrc is not None and bsrc.token is ctx.token and bsrc.version == base._version:
                 b = _from_source(ctx, bsrc, 0)
         if b is None:
+            b = _param_cast(ctx, base)
+        if b is None:
             return None
         return Derived(_view_of, [(True, b), (False, tuple(t.shape)), (False, t.stride()),
                                   (False, t.storage_offset() - base.storage_offset())], {})
     return None
+
+
+# Autograd's node classes, to recognise autocast's weight casts (None where this torch names them otherwise).
+_ToCopyBackward = getattr(torch._C._functions, "ToCopyBackward0", None)
+_AccumulateGrad = getattr(torch._C._functions, "AccumulateGrad", None)
+
+
+def _param_cast(ctx, x: torch.Tensor):
+    """A Derived replaying ``x`` as ``p.to(x.dtype)`` when ``x`` is a dtype copy of a parameter or buffer ``p`` of
+    the block, as autocast makes of fp32 weights for every matmul (below torch functions, so OpTracker never sees
+    the cast and it has no Source), or None.
+
+    ``linear`` saves that copy transposed, ``W.to(bf16).t()``. Packing it costs a strided copy to make it
+    contiguous, and one back to the transposed strides on unpack (``elementwise_kernel<128,4>`` on CUDA, ~150 us
+    each for a Llama-7B MLP weight), plus a byte a parameter until backward and an FP8-rounded weight in the input
+    gradient. Replayed, it costs one contiguous cast in backward, viewed transposed (``derive``), and no memory.
+
+    The copy is recognised from its graph: made by ``_to_copy`` (ToCopyBackward0) straight from the leaf
+    (AccumulateGrad), not written since (version 0), and laid out as ``p``, which ``p.to(dtype)`` reproduces.
+    As with every replay from a parameter, the parameter must not change between forward and backward (an
+    optimizer step in backward updates a parameter only after every use of it has run its backward)."""
+    fn = x.grad_fn
+    if fn is None or type(fn) is not _ToCopyBackward or x._version != 0:
+        return None
+    node = fn.next_functions[0][0]
+    if type(node) is not _AccumulateGrad:
+        return None
+    p = node.variable
+    if (p.dtype == x.dtype or p.device != x.device or p.shape != x.shape or p.stride() != x.stride()
+            or x.storage_offset() != 0 or not ctx.is_module_tensor(p)):
+        return None
+    return Derived(_cast, [(True, p), (False, x.dtype)], {})
+
+
+def _cast(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return p.to(dtype)
 
 
 def _from_source(ctx, src: Source, depth: int):
@@ -165,10 +256,13 @@ def _from_source(ctx, src: Source, depth: int):
             args.append((False, entry))
             continue
         ready, asrc, ref, version = entry
-        a = ref()
         r = None
-        if a is not None and a._version == version:
-            r = held(ctx.token, a)  # packed since the op ran
+        if ref is not None:  # nothing held the argument when the op ran: it may have been packed since
+            a = ref()
+            if a is not None:
+                h = getattr(a, _HELD, None)  # held(), inlined
+                if h is not None and h[0] is ctx.token and h[1] == version == a._version:
+                    r = h[2]
         if r is None:
             r = ready
         if r is None and asrc is not None:

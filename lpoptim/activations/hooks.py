@@ -15,9 +15,15 @@ Rules ``pack`` applies, in order:
 4. tensors below ``min_numel`` elements, or not smaller once packed (e.g. a last dimension of 1 with groups
    of 16), are left alone;
 5. attention's saved tensors follow ``policy.attention``;
-6. a tensor that a cheap element-wise op computed from things already held is replayed in backward instead
-   (``policy.derive``, derive.py): it costs no bytes;
+6. a tensor that a cheap element-wise op computed from things already held, or autocast's low-precision copy
+   of a parameter, is replayed in backward instead (``policy.derive``, derive.py): it costs no bytes;
 7. the rest is packed: per row (or tensor) if a GEMM saved it, per group of 16 otherwise.
+
+What ``pack`` returns for several saved slots (rule 3) or several replays is counted (``derive.count_use``), so
+that backward decodes (or replays) it once and hands the value to its other readers (codec.py, derive.py).
+
+This all runs on the host thread that launches the GPU's kernels, once per torch call and per saved tensor, so it
+is kept lean: benchmarks/activation_overhead.py measures it.
 """
 from __future__ import annotations
 
@@ -28,9 +34,33 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from .codec import COMPRESSIBLE_DTYPES, PackedActivation, pack, packed_nbytes
-from .derive import DERIVABLE_OPS, derive, held, is_constant, record, remember
+from .derive import _HELD, DERIVABLE_OPS, count_use, derive, record, remember
 from .policy import ActivationPolicy
 from .stats import SavedStats
+
+# Host overhead matters here: ``__torch_function__`` runs for every torch call inside a wrapped block and ``pack``
+# for every saved tensor, on the host thread that launches the GPU's kernels. A Llama block makes ~60 such calls
+# and saves ~40 tensors per forward, so a microsecond spent on each costs ~100 us a block. Hence the module-level
+# aliases, the per-function cache and the cheap type checks below.
+_is_compiling = torch.compiler.is_compiling
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_COMPRESSIBLE = frozenset(COMPRESSIBLE_DTYPES)
+_FP8 = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+
+# func -> (its ``__name__``, whether derive.py records its output). Torch hands the mode a few hundred distinct
+# functions at most (Tensor methods and torch functions), so the table stays small.
+_FUNC_INFO: dict = {}
+
+
+def _func_info(func) -> tuple[str | None, bool]:
+    name = getattr(func, "__name__", None)
+    info = (name, name in DERIVABLE_OPS)
+    try:
+        _FUNC_INFO[func] = info
+    except TypeError:  # an unhashable callable: looked up again next time
+        pass
+    return info
 
 
 class OpTracker(TorchFunctionMode):
@@ -46,15 +76,20 @@ class OpTracker(TorchFunctionMode):
         self.ctx = ctx  # when set, outputs of derivable ops get a Source (derive.py)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if torch.compiler.is_compiling():  # Dynamo inlines modes: keep our bookkeeping out of its graphs
+        if kwargs is None:
+            kwargs = {}
+        if _is_compiling():  # Dynamo inlines modes: keep our bookkeeping out of its graphs
             return func(*args, **kwargs)
-        prev, self.op = self.op, getattr(func, "__name__", None)
+        try:
+            name, derivable = _FUNC_INFO[func]
+        except (KeyError, TypeError):  # the first call of this function (or an unhashable callable)
+            name, derivable = _func_info(func)
+        prev, self.op = self.op, name
         try:
             out = func(*args, **kwargs)
         finally:
-            self.op, name = prev, self.op
-        if self.ctx is not None and name in DERIVABLE_OPS:
+            self.op = prev
+        if derivable and self.ctx is not None:
             record(self.ctx, func, args, kwargs, out)
         return out
 
@@ -66,14 +101,60 @@ def _storage_ptr(t: torch.Tensor) -> int | None:
         return None
 
 
+def _is_parameter(t: torch.Tensor) -> bool:
+    """``isinstance(t, nn.Parameter)`` without the metaclass's Python ``__instancecheck__`` (~10x slower) in the
+    common cases. Like it, a tensor flagged ``_is_param`` (a tensor subclass made a Parameter) counts."""
+    cls = type(t)
+    if cls is _Parameter:
+        return True
+    if cls is _Tensor:
+        return bool(getattr(t, "_is_param", False))
+    return isinstance(t, _Parameter)
+
+
+def _module_tensors(module: torch.nn.Module):
+    """Every parameter and buffer of ``module`` and its submodules, as ``parameters()`` and ``buffers()`` give
+    them but without building their dotted names (which costs ~20 us a block on every forward)."""
+    stack, seen = [module], set()
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        for t in m._parameters.values():
+            if t is not None:
+                yield t
+        for t in m._buffers.values():
+            if t is not None:
+                yield t
+        stack.extend(c for c in m._modules.values() if c is not None)
+
+
 def module_storage_ptrs(module: torch.nn.Module) -> set[int]:
     """Storage addresses of a module's parameters and buffers: what ``pack`` must never compress."""
     ptrs = set()
-    for t in list(module.parameters()) + list(module.buffers()):
+    for t in _module_tensors(module):
         p = _storage_ptr(t)
         if p:
             ptrs.add(p)
     return ptrs
+
+
+def _constant_ids(inputs) -> set[int]:
+    """ids of the tensors among ``inputs`` (args, kwargs) that need no grad. The usual call (tensors and plain
+    scalars as positional or keyword arguments) is read directly; anything else goes through pytree."""
+    args, kwargs = inputs if isinstance(inputs, tuple) and len(inputs) == 2 else (inputs, {})
+    if isinstance(args, tuple) and isinstance(kwargs, dict):
+        ids = set()
+        for v in (*args, *kwargs.values()):
+            if isinstance(v, _Tensor):
+                if not v.requires_grad:
+                    ids.add(id(v))
+            elif v is not None and not isinstance(v, (bool, int, float, str)):
+                break  # a container (or an object pytree may open): let pytree walk everything
+        else:
+            return ids
+    return {id(t) for t in tree_leaves(inputs) if isinstance(t, _Tensor) and not t.requires_grad}
 
 
 class PackContext:
@@ -85,7 +166,7 @@ class PackContext:
         # Tensors handed to the block that need no grad (rotary tables, masks): the caller holds them, so they
         # are kept by reference, and views of them too. Anything else without grad was made inside the block
         # (e.g. by a custom autograd Function or a compiled graph) and is packed like any activation.
-        self.constant_ids = {id(t) for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and not t.requires_grad}
+        self.constant_ids = _constant_ids(inputs)
         self.stats = stats
         self.param_ptrs = module_storage_ptrs(module)
         self.token = object()  # identifies this forward: Sources and notes from other forwards are ignored
@@ -131,55 +212,102 @@ class PackContext:
         return kept
 
     def is_module_tensor(self, t: torch.Tensor) -> bool:
-        return isinstance(t, torch.nn.Parameter) or _storage_ptr(t) in self.param_ptrs
+        if type(t) is _Parameter:
+            return True
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            ptr = None
+        return ptr in self.param_ptrs or _is_parameter(t)
 
     def pack(self, t: torch.Tensor):
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             # Dynamo traced a compiled block's forward with our hooks active; what its graph saves reaches this
             # hook again at run time, outside the graph, and is packed then.
             return t
-        op = self.tracker.op
-        nbytes = t.numel() * t.element_size()
-        if not t.dtype.is_floating_point or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            return self._keep("lowbit", t)  # already low-bit: never quantize twice
-        if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter) or t.is_sparse:
+        dtype = t.dtype
+        if dtype not in _COMPRESSIBLE:
+            return self._pack_other(t)
+        # Rules 1-7 of the module docstring in order. This runs for every saved tensor, so each property is read
+        # once and the helpers (_is_parameter, _storage_ptr, is_constant, held, remember) are inlined.
+        cls = type(t)
+        if cls is _Tensor:
+            is_param = getattr(t, "_is_param", False)  # as nn.Parameter's isinstance check
+        elif cls is _Parameter:
+            is_param = True
+        else:
+            is_param = isinstance(t, _Parameter)
+            if not is_param:
+                return self._keep("other", t)  # a tensor subclass
+        if t.is_sparse:
             return self._keep("other", t)
-        sptr = _storage_ptr(t)
-        if isinstance(t, torch.nn.Parameter) or sptr in self.param_ptrs:
-            self._record("parameter", t, 0, 0)
+        try:
+            sptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            sptr = None
+        stats = self.stats
+        if is_param or sptr in self.param_ptrs:
+            if stats is not None:
+                stats.add("parameter", self.tracker.op, t, 0, 0)
             return t
-        if t.dtype not in COMPRESSIBLE_DTYPES:
-            return self._keep("other", t)
-        if is_constant(self, t):
-            return self._keep("constant", t)  # from outside the block (rotary table, mask): held anyway
-        key = (sptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version)
-        hit = held(self.token, t)
+        if not t.requires_grad:
+            ids, base = self.constant_ids, t._base
+            if id(t) in ids or (base is not None and id(base) in ids):
+                return self._keep("constant", t)  # from outside the block (rotary table, mask): held anyway
+        token, version = self.token, t._version
+        h = getattr(t, _HELD, None)  # packed (or kept) before, under this very version
+        hit = h[2] if h is not None and h[0] is token and h[1] == version else None
+        shape = t.shape  # a torch.Size: hashes and compares as the tuple
+        key = (sptr, t.storage_offset(), shape, t.stride(), dtype, t.device, version)
         if hit is None:
-            hit = self.seen.get(key)
-            hit = hit[1] if hit is not None and hit[0]() is not None else None
+            entry = self.seen.get(key)
+            if entry is not None and entry[0]() is not None:
+                hit = entry[1]
         if hit is not None:
-            self._record("duplicate", t, 0, 0)
+            if stats is not None:
+                stats.add("duplicate", self.tracker.op, t, 0, 0)
+            if not isinstance(hit, _Tensor):  # a kept tensor needs no count: it is returned as it is
+                count_use(hit)
             return hit
-        kind = self.policy.kind_of(op)
-        gran = self.policy.granularity_of(kind, op)
+        policy = self.policy
+        gran = policy.granularity_for(self.tracker.op)
         if gran is None:
             return self._keep("attention", t)
-        if t.numel() < self.policy.min_numel or packed_nbytes(t, gran, self.policy.group_size) * 3 > nbytes * 2:
+        numel = t.numel()
+        nbytes = numel * t.element_size()
+        if numel < policy.min_numel or packed_nbytes(t, gran, policy.group_size) * 3 > nbytes * 2:
             return self._keep("small", t)
-        out = derive(self, t) if self.policy.derive else None
+        out = derive(self, t) if policy.derive else None
         if out is not None:
-            self._record("derived", t, nbytes, 0)
+            if stats is not None:
+                stats.add("derived", self.tracker.op, t, nbytes, 0)
         else:
-            out = pack(t, gran, self.policy.group_size, self.policy.fmt)
-            self._record(f"fp8_{gran}", t, nbytes, out.nbytes)
+            out = pack(t, gran, policy.group_size, policy.fmt)
+            if stats is not None:
+                stats.add(f"fp8_{gran}", self.tracker.op, t, nbytes, out.nbytes)
         # The base keeps the storage alive while the entry is valid: a dead base means the address may be reused.
-        base = t._base if t._base is not None else t
-        self.seen[key] = (weakref.ref(base), out)
-        remember(self.token, t, out)
+        base = t._base
+        self.seen[key] = (weakref.ref(base if base is not None else t), out)
+        try:
+            setattr(t, _HELD, (token, version, out))  # derive.remember: later casts and views replay from it
+        except (AttributeError, RuntimeError):
+            pass
+        count_use(out)
         return out
+
+    def _pack_other(self, t: torch.Tensor):
+        """Rules 1, 2 and the float dtypes lpoptim does not pack (float64): kept, or a parameter."""
+        if not t.dtype.is_floating_point or t.dtype in _FP8:
+            return self._keep("lowbit", t)  # already low-bit: never quantize twice
+        if (type(t) is not _Tensor and not _is_parameter(t)) or t.is_sparse:
+            return self._keep("other", t)
+        if _is_parameter(t) or _storage_ptr(t) in self.param_ptrs:
+            self._record("parameter", t, 0, 0)
+            return t
+        return self._keep("other", t)
 
 
 def unpack(x):
     # Kept tensors come back detached (returning a saved output itself from pack would make a reference cycle
     # through its grad_fn); autograd only needs their values. Packed and derived ones are rebuilt.
-    return x if isinstance(x, torch.Tensor) else x.unpack()
+    return x if isinstance(x, _Tensor) else x.unpack()

@@ -69,6 +69,8 @@ class ActivationPolicy:
             raise ValueError(f"unknown must be 'group' or 'row', got {self.unknown!r}")
         if self.group_size < 1:
             raise ValueError("group_size must be positive")
+        # granularity_for's memo (not a field: equality, hashing and repr ignore it)
+        object.__setattr__(self, "_by_op", {})
 
     def kind_of(self, op: str | None) -> str:
         if op in GEMM_OPS:
@@ -86,3 +88,14 @@ class ActivationPolicy:
         if op is None:
             return self.unknown
         return "group"
+
+    def granularity_for(self, op: str | None) -> str | None:
+        """``granularity_of(kind_of(op), op)``, memoized by op name: pack asks it for every saved tensor, and a
+        model saves through a few dozen distinct ops."""
+        gran = self._by_op.get(op, _MISSING)
+        if gran is _MISSING:
+            gran = self._by_op[op] = self.granularity_of(self.kind_of(op), op)
+        return gran
+
+
+_MISSING = object()

@@ -122,6 +122,22 @@ def _dequant_kernel(codes_ptr, scale_ptr, out_ptr, numel, N, NG,
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# The wrappers below run on every pack and unpack of a saved activation, on the host thread that launches the
+# GPU's kernels: they build nothing per call that can be built once (the launch parameters depend on the group size
+# and the granularity only).
+_MODES = {"group": 0, "row": 1, "tensor": 2}
+_GROUP_BLOCKS: dict[int, tuple[int, int]] = {}
+
+
+def _group_blocks(group_size: int) -> tuple[int, int]:
+    """(GP: group_size rounded up to a power of 2, BLOCK_G: groups per program, ~1024 elements)."""
+    blocks = _GROUP_BLOCKS.get(group_size)
+    if blocks is None:
+        gp = triton.next_power_of_2(group_size)
+        blocks = _GROUP_BLOCKS[group_size] = (gp, max(1, 1024 // gp))
+    return blocks
+
+
 def _rows(x: torch.Tensor) -> tuple[int, int]:
     n = x.shape[-1] if x.dim() else 1
     return (x.numel() // n if n else 0), n
@@ -136,10 +152,9 @@ def quantize_groups(x: torch.Tensor, group_size: int = 16) -> tuple[torch.Tensor
     scales = torch.empty((r, ng), dtype=torch.float32, device=x.device)
     total = r * ng
     if total:
-        gp = triton.next_power_of_2(group_size)
-        block_g = max(1, 1024 // gp)
-        _quant_groups_kernel[(triton.cdiv(total, block_g),)](x, codes, scales, total, n, ng,
-                                                             G=group_size, GP=gp, BLOCK_G=block_g)
+        gp, block_g = _group_blocks(group_size)
+        _quant_groups_kernel[(-(-total // block_g),)](x, codes, scales, total, n, ng,
+                                                      G=group_size, GP=gp, BLOCK_G=block_g)
     return codes, scales
 
 
@@ -163,9 +178,8 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, granularity: str, grou
     out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
     numel = codes.numel()
     if numel:
-        mode = {"group": 0, "row": 1, "tensor": 2}[granularity]
         block = 1024
-        _dequant_kernel[(triton.cdiv(numel, block),)](codes, scales, out, numel, n, -(-n // group_size),
-                                                      G=group_size, MODE=mode,
-                                                      OUT_BF16=dtype == torch.bfloat16, BLOCK=block)
+        _dequant_kernel[(-(-numel // block),)](codes, scales, out, numel, n, -(-n // group_size),
+                                               G=group_size, MODE=_MODES[granularity],
+                                               OUT_BF16=dtype == torch.bfloat16, BLOCK=block)
     return out
