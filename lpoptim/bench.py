@@ -186,7 +186,9 @@ def run_stack(stack: Stack, cfg: LlamaConfig, batch: int, seq: int, steps: int, 
     mem = {}
 
     def forward():
-        with torch.autocast(device, dtype=torch.bfloat16):
+        # autocast's cast cache would keep a bf16 copy of every fp32 weight until the forward ends; without it a
+        # copy lives only as long as autograd needs it (compress_activations replays it from the weight instead)
+        with torch.autocast(device, dtype=torch.bfloat16, cache_enabled=False):
             return model(x, y)[1]
 
     def step(measure: bool):
