@@ -17,8 +17,31 @@ from ..quant import Quantized, absmax_scale, finite_absmax, quantize, rows_of
 COMPRESSIBLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+class ComputedOnce:
+    """What a saved slot holds when it is not the tensor itself: ``unpack`` computes the value (``compute``) once
+    per backward and hands it to the next ``uses - 1`` readers, then lets go of it. Subclasses hold ``uses``,
+    ``_memo`` and ``_left``."""
+
+    __slots__ = ()
+
+    def compute(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def unpack(self) -> torch.Tensor:
+        memo = self._memo
+        if memo is not None:
+            self._left -= 1
+            if self._left <= 0:
+                self._memo = None
+            return memo
+        out = self.compute()
+        if self.uses > 1:
+            self._memo, self._left = out, self.uses - 1
+        return out
+
+
 @dataclass
-class PackedActivation:
+class PackedActivation(ComputedOnce):
     """A saved tensor held as FP8 codes (``codes``: the fp8 dtype, same shape) and fp32 scales."""
 
     codes: torch.Tensor
@@ -43,17 +66,8 @@ class PackedActivation:
     def nbytes(self) -> int:
         return self.codes.numel() * self.codes.element_size() + self.scale.numel() * self.scale.element_size()
 
-    def unpack(self) -> torch.Tensor:
-        memo = self._memo
-        if memo is not None:
-            self._left -= 1
-            if self._left <= 0:
-                self._memo = None
-            return memo
-        out = self.decode()
-        if self.uses > 1:
-            self._memo, self._left = out, self.uses - 1
-        return out
+    def compute(self) -> torch.Tensor:
+        return self.decode()
 
     def decode(self) -> torch.Tensor:
         """The tensor's value (dequantized, in its dtype and strides), computed afresh."""

@@ -27,6 +27,8 @@ import weakref
 
 import torch
 
+from .codec import ComputedOnce
+
 _Tensor = torch.Tensor
 
 # Tensor methods and functions by ``__name__``; none random, none in place.
@@ -135,7 +137,7 @@ def held(token, t: torch.Tensor):
     return None
 
 
-class Derived:
+class Derived(ComputedOnce):
     """A saved tensor replayed in backward: ``func`` on the unpacked arguments.
 
     ``uses`` counts its readers (saved slots and other Deriveds, see ``count_use``): like a PackedActivation, it
@@ -148,17 +150,8 @@ class Derived:
         self.func, self.args, self.kwargs = func, args, kwargs
         self.uses, self._memo, self._left = 0, None, 0
 
-    def unpack(self) -> torch.Tensor:
-        memo = self._memo
-        if memo is not None:
-            self._left -= 1
-            if self._left <= 0:
-                self._memo = None
-            return memo
-        out = self.replay()
-        if self.uses > 1:
-            self._memo, self._left = out, self.uses - 1
-        return out
+    def compute(self) -> torch.Tensor:
+        return self.replay()
 
     def replay(self) -> torch.Tensor:
         vals = [(v if isinstance(v, torch.Tensor) else v.unpack()) if is_t else v for is_t, v in self.args]
