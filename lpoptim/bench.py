@@ -7,7 +7,8 @@ themselves; torch AdamW then keeps bf16 states and rounds to nearest, lpoptim ro
 
 Stacks: ``bf16`` (torch AdamW, fused on CUDA), ``torch-bf16`` (the same on bf16 parameters),
 ``lpoptim`` (lpoptim.AdamW), ``lpoptim-bf16`` (on bf16 parameters), ``+bwd`` (step_in_backward), ``+ce`` (the LM
-head and loss chunk by chunk: lpoptim.nn.linear_cross_entropy), ``lpoptim+act`` (and
+head and loss chunk by chunk: lpoptim.nn.linear_cross_entropy), ``+rec`` (FP8 block inputs, blocks recomputed in
+backward), ``lpoptim+act`` (and
 compress_activations on every block), ``lpoptim+fp8+act`` / ``+fp4+act`` / ``+int4+act`` (and convert_linears),
 ``bnb`` (bitsandbytes AdamW8bit) and ``torchao`` (torchao float8 linears + AdamWFp8), the last two on CUDA only.
 
@@ -42,6 +43,7 @@ class Stack:
     in_backward: bool = False  # lpoptim.step_in_backward: each update (and gradient release) during backward
     master: str = "fp32"  # the parameters' dtype: "fp32" (bf16 autocast) or "bf16" (lpoptim: stochastic rounding)
     chunked_loss: bool = False  # LM head + loss chunk by chunk (lpoptim.nn.linear_cross_entropy)
+    recompute: bool = False  # compress_activations(recompute=True): only each block's input kept, in FP8
 
 
 STACKS = {
@@ -60,6 +62,9 @@ STACKS = {
                                      label="lpoptim.AdamW bf16 SR, step in backward, FP8 act., chunked head+loss"),
     "lpoptim-bf16+fp8+act+bwd+ce": Stack("lpoptim", "fp8", True, in_backward=True, master="bf16", chunked_loss=True,
                                          label="lpoptim.AdamW bf16 SR, step in bwd, fp8 linears, FP8 act., chunked loss"),
+    "lpoptim-bf16+rec+bwd+ce": Stack("lpoptim", compress=True, in_backward=True, master="bf16", chunked_loss=True,
+                                     recompute=True,
+                                     label="lpoptim.AdamW bf16 SR, step in bwd, FP8 block inputs + recompute, chunked loss"),
     "lpoptim+fp8+act": Stack("lpoptim", "fp8", True, "lpoptim.AdamW + fp8 linears + FP8 act."),
     "lpoptim+fp4+act": Stack("lpoptim", "fp4", True, "lpoptim.AdamW + fp4 linears + FP8 act."),
     "lpoptim+int4+act": Stack("lpoptim", "int4", True, "lpoptim.AdamW + int4 linears + FP8 act."),
@@ -140,7 +145,7 @@ def build(stack: Stack, cfg: LlamaConfig, device: str, compile_blocks: bool):
     if stack.compress:
         from .activations import compress_activations
 
-        handle = compress_activations(model.layers)
+        handle = compress_activations(model.layers, recompute=stack.recompute)
     groups, lr, betas = model.param_groups(0.1), 1e-4, (0.9, 0.95)
     if stack.optimizer in ("torch", "lpoptim"):
         options = dict(fused=True) if stack.optimizer == "torch" and device == "cuda" else {}
