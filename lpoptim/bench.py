@@ -58,6 +58,8 @@ STACKS = {
                                   label="lpoptim.AdamW bf16 SR, step in backward, FP8 act."),
     "lpoptim-bf16+fp8+act+bwd": Stack("lpoptim", "fp8", True, in_backward=True, master="bf16",
                                       label="lpoptim.AdamW bf16 SR, step in backward, fp8 linears, FP8 act."),
+    "lpoptim-bf16+bwd+ce": Stack("lpoptim", in_backward=True, master="bf16", chunked_loss=True,
+                                 label="lpoptim.AdamW bf16 SR, step in backward, chunked head+loss"),
     "lpoptim-bf16+act+bwd+ce": Stack("lpoptim", compress=True, in_backward=True, master="bf16", chunked_loss=True,
                                      label="lpoptim.AdamW bf16 SR, step in backward, FP8 act., chunked head+loss"),
     "lpoptim-bf16+fp8+act+bwd+ce": Stack("lpoptim", "fp8", True, in_backward=True, master="bf16", chunked_loss=True,
