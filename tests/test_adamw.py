@@ -382,3 +382,33 @@ def test_state_moves_between_cuda_and_cpu():
     o_back.load_state_dict(o_cpu.state_dict())
     for k, v in o.state[m[0].weight].items():
         assert torch.equal(o_back.state[m[0].weight][k], v), k
+
+
+def test_changing_group_options_after_the_first_step_is_refused():
+    w = torch.nn.Parameter(torch.randn(8, 512))
+    opt = lpoptim.AdamW([w], min_quant_numel=1024)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    opt.param_groups[0]["group_size"] = 64  # the kernel would index scales that do not exist
+    with pytest.raises(ValueError, match="group_size"):
+        opt.step()
+
+
+def test_loaded_states_are_contiguous():
+    w = torch.nn.Parameter(torch.randn(8, 512))
+    opt = lpoptim.AdamW([w], min_quant_numel=1024)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    sd = opt.state_dict()
+    st = sd["state"][0]
+    st["exp_avg"] = st["exp_avg"].t().contiguous().t()  # same values, transposed strides
+    opt.load_state_dict(sd)
+    assert opt.state[w]["exp_avg"].is_contiguous() and torch.equal(opt.state[w]["exp_avg"], st["exp_avg"])
+
+
+def test_kernel_declines_empty_tensors():
+    from lpoptim.kernels import adamw_step
+    from lpoptim.optim.state import StateLayout
+
+    p = torch.zeros(4, 0)
+    assert not adamw_step.supports(p, p, StateLayout(quantized=False))

@@ -47,7 +47,7 @@ def supports(param: torch.Tensor, grad: torch.Tensor, layout) -> bool:
     g = layout.group_size
     return (HAVE_TRITON and g >= 16 and g & (g - 1) == 0
             and param.is_contiguous() and grad.is_contiguous() and grad.dtype == param.dtype
-            and param.dtype in (torch.float32, torch.bfloat16, torch.float16) and param.numel() < 2**31)
+            and param.dtype in (torch.float32, torch.bfloat16, torch.float16) and 0 < param.numel() < 2**31)
 
 
 if HAVE_TRITON:
@@ -225,6 +225,7 @@ class _Plan:
         self.ptrs = self.dims = self.blocks = None
         self.n_blocks = 0
         self.salts = self.salts_key = None  # stochastic rounding's per-tensor salts, on the device
+        self.aligned = False  # every address a multiple of 16 bytes (vector loads)
 
 
 _plans: collections.OrderedDict = collections.OrderedDict()  # least recently used first
@@ -264,9 +265,11 @@ def _tables(batch, layout, block_g: int) -> _Plan:
             row += [s[name].data_ptr() if name in s else 0,
                     s[name + "_scale"].data_ptr() if name + "_scale" in s else 0]
         addrs.append(tuple(row))
-    if plan.addr_key is None or len(plan.addr_key) != len(addrs):
+    if addrs == plan.addr_key:
+        return plan
+    if plan.addr_key is None:
         plan.ptrs = _to_device(torch.tensor(addrs, dtype=torch.int64), dev)
-    elif addrs != plan.addr_key:  # usually only gradients moved (set_to_none, or a step per parameter in backward)
+    else:  # usually only gradients moved (set_to_none, or a step per parameter in backward)
         changed = [(t, c, v) for t, (new, old) in enumerate(zip(addrs, plan.addr_key)) for c, (v, o) in
                    enumerate(zip(new, old)) if v != o]
         if len(changed) <= 8:  # written in place by the device, in stream order: no host memory, no sync
@@ -275,7 +278,7 @@ def _tables(batch, layout, block_g: int) -> _Plan:
         else:  # a new table through pinned memory, copied asynchronously
             plan.ptrs = _to_device(torch.tensor(addrs, dtype=torch.int64), dev)
     plan.addr_key = addrs
-    plan.aligned = all(a % 16 == 0 for row in addrs for a in row)
+    plan.aligned = all(a % 16 == 0 for row in addrs for a in row)  # only when an address moved
     return plan
 
 
@@ -322,8 +325,8 @@ def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_de
         torch._foreach_sub_(steps, [found_inf] * len(steps))
     step_t = torch.stack(steps)
     lr_is_tensor = isinstance(lr, torch.Tensor)
-    lr_t = lr.to(dev, torch.float32) if lr_is_tensor else lr
-    step_size = (lr_t / (1 - beta1 ** step_t)).float().contiguous()
+    lr_t = lr.to(dev, torch.float32, non_blocking=True) if lr_is_tensor else lr  # a CPU lr must not block the host
+    step_size = lr_t / (1 - beta1 ** step_t)
     inv_bc2_sqrt = (1 - beta2 ** step_t).rsqrt().contiguous()
     decay = (1 - lr_t * weight_decay).reshape(1).contiguous() if lr_is_tensor else 1 - lr * weight_decay
     dummy = step_t

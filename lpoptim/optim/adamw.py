@@ -145,6 +145,7 @@ class AdamW(Optimizer):
                 if param.numel() == 0:  # an empty shard (uneven FSDP2 sharding): only the step count moves
                     state["step"].add_(1.0 if found_inf is None else (found_inf.to(param.device) == 0).float())
                     continue
+            _check_state(state, param, layout)
             if group["fused"] is not False and param.device.type == "cuda" and kernel.supports(param, grad, layout):
                 fused_batch.append((param, grad, state, layout))
                 fused_salts.append(salts[p] if salts else 0)
@@ -201,7 +202,9 @@ class AdamW(Optimizer):
             if _dist.is_dtensor(p):  # DTensor states (DCP) or a plain checkpoint's global tensors -> local
                 src = _dist.localize_state(p, src, layout)
             # copies: the loaded state must not share tensors with the given dict (another optimizer's live state)
-            state = {k: (v.to(device=local.device, copy=True) if torch.is_tensor(v) else v) for k, v in src.items()}
+            # contiguous: the fused kernel indexes states as dense arrays, whatever strides the checkpoint had
+            state = {k: (v.to(device=local.device, copy=True).contiguous() if torch.is_tensor(v) else v)
+                     for k, v in src.items()}
             state = _convert_state(state, local, layout)
             self.state[p] = _dist.wrap_state(p, state, layout) if _dist.is_dtensor(p) else state
 
@@ -243,10 +246,18 @@ def _check_group(group: dict) -> None:
         raise ValueError("lpoptim.AdamW does not support differentiable=True")
 
 
+def _check_state(state: dict, param: torch.Tensor, layout: StateLayout) -> None:
+    """The state was made for this layout: a group's lpoptim options changed after its first step (group_size,
+    min_quant_numel) would otherwise make the kernel read and write past the scales it has."""
+    scale = state.get("exp_avg_scale")
+    if (scale is not None) != layout.quantized or (
+            scale is not None and scale.shape[-1] != -(-(param.shape[-1] if param.dim() else 1) // layout.group_size)):
+        raise ValueError("lpoptim.AdamW: this parameter's state was built with other group options (group_size, "
+                         "min_quant_numel); they cannot change after its first step")
+
+
 def _convert_state(state: dict, param: torch.Tensor, layout: StateLayout) -> dict:
     """A loaded state in lpoptim's layout: kept as saved if it already is, quantized if it is torch's."""
-    import dataclasses
-
     from .reference import encode_moment
 
     step = state.get("step", torch.zeros(()))

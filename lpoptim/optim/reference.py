@@ -57,7 +57,7 @@ def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, l
         g = -g
     step = state["step"] + 1
     if isinstance(lr, torch.Tensor):
-        lr = lr.to(device=dev, dtype=torch.float32)
+        lr = lr.to(device=dev, dtype=torch.float32, non_blocking=True)
 
     p = param.float()
     m = load_moment(state, "exp_avg", layout)
