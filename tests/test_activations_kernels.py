@@ -118,10 +118,15 @@ def test_codec_kernel_path_matches_reference_path(K, monkeypatch):
     refs = {(g, i): codec.pack(t, g, 16) for g in ("group", "row", "tensor") for i, t in enumerate((x, xt))}
     monkeypatch.setitem(sys.modules, "lpoptim.kernels.act_quant", K)
     monkeypatch.setattr("lpoptim.kernels.act_quant", K, raising=False)
-    monkeypatch.setattr(codec, "_use_triton", lambda t: True)
+    monkeypatch.setattr(codec, "_use_triton", lambda t, fmt: fmt.dtype is torch.float8_e4m3fn)  # "on CUDA"
     for (g, i), ref in refs.items():
         got = codec.pack((x, xt)[i], g, 16)
         assert torch.equal(got.codes.view(torch.uint8), ref.codes.view(torch.uint8)), g
         assert torch.equal(got.scale, ref.scale), g
         assert got.nbytes == ref.nbytes
         assert torch.equal(got.unpack(), ref.unpack()) and got.unpack().stride() == ref.unpack().stride()
+    # other formats take the reference both ways (the kernels are E4M3's): packed and unpacked alike
+    from lpoptim.formats import E5M2
+
+    ref5 = codec.quantize(x, E5M2, "group", 16).dequantize().to(x.dtype)
+    assert torch.equal(codec.pack(x, "group", 16, E5M2).unpack(), ref5)

@@ -52,6 +52,7 @@ class PackedActivation(ComputedOnce):
     shape: tuple[int, ...]
     stride: tuple[int, ...]  # the original strides, restored on unpack when they were not contiguous
     fmt: FloatFormat = E4M3
+    contiguous: bool = True  # the original was contiguous (its strides may still differ on size-1 dims)
     # How many saved slots and replays (derive.py) read this copy, counted by hooks.py: one tensor is often
     # saved by several ops (x by q, k and v's projections; a norm's input by pow and mul) and read again by the
     # replays that use it. Unpacking decodes once and hands the result to the next ``uses - 1`` readers, then
@@ -71,13 +72,16 @@ class PackedActivation(ComputedOnce):
 
     def decode(self) -> torch.Tensor:
         """The tensor's value (dequantized, in its dtype and strides), computed afresh."""
-        if _use_triton(self.codes):
+        if _use_triton(self.codes, self.fmt):
             out = _kernels().dequantize(self.codes.view(torch.uint8), self.scale, self.granularity,
                                        self.group_size, self.dtype)
         else:
             out = _as_quantized(self).dequantize().to(self.dtype)
         if out.stride() != self.stride:
-            # Some backward formulas (attention kernels, views) expect the layout they saved.
+            # Some backward formulas (attention kernels, views) expect the layout they saved. A contiguous original
+            # whose strides differ only on size-1 dims is the same memory: a view, not a copy.
+            if self.contiguous:
+                return out.as_strided(self.shape, self.stride)
             out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=out.device).copy_(out)
         return out
 
@@ -118,8 +122,13 @@ def _kernels():
     return _ACT_QUANT
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda and os.environ.get("LPOPTIM_ACT_BACKEND", "triton") != "torch"
+# read once: an environment lookup costs more than the rest of the test, and it runs for every pack and unpack
+_FORCE_TORCH = os.environ.get("LPOPTIM_ACT_BACKEND", "triton") == "torch"
+
+
+def _use_triton(t: torch.Tensor, fmt: FloatFormat) -> bool:
+    """The Triton kernels handle E4M3 on CUDA (by dtype, not identity: a copied policy has an equal format)."""
+    return t.is_cuda and fmt.dtype is torch.float8_e4m3fn and not _FORCE_TORCH
 
 
 def packed_nbytes(t: torch.Tensor, granularity: str, group_size: int) -> int:
@@ -143,7 +152,7 @@ def pack(t: torch.Tensor, granularity: str, group_size: int = 16, fmt: FloatForm
         raise TypeError(f"pack: expected one of {COMPRESSIBLE_DTYPES}, got {t.dtype}")
     shape, stride = tuple(t.shape), tuple(t.stride())
     x = t.detach()
-    if _use_triton(x) and fmt is E4M3:
+    if _use_triton(x, fmt):
         act_quant = _kernels()
         if not x.is_contiguous():  # (the test is free; contiguous() is a dispatched op even when it does nothing)
             x = x.contiguous()
@@ -163,4 +172,4 @@ def pack(t: torch.Tensor, granularity: str, group_size: int = 16, fmt: FloatForm
             else q.scale.reshape(r)
     if not scale.is_contiguous():
         scale = scale.contiguous()
-    return PackedActivation(codes, scale, granularity, group_size, t.dtype, shape, stride, fmt)
+    return PackedActivation(codes, scale, granularity, group_size, t.dtype, shape, stride, fmt, t.is_contiguous())

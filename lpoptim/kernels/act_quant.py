@@ -22,36 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .grid import absmax_scale, grid_magnitude, with_sign_of
+from ..quant import rows_of
+from .grid import absmax_scale, finite_abs, fp8_bits, round_to_grid
 
 
 
 @triton.jit
 def _round_e4m3(y):
-    """fp32 -> fp32 on the E4M3 grid, as formats.round_to_grid(y, E4M3) (NaN stays NaN, +-inf saturates).
-    The sign is put back on the bits: on the GPU -q of 0 is +0, and torch.copysign keeps -0."""
-    q = with_sign_of(grid_magnitude(tl.abs(y), 3, -6, 448.0), y)
-    return tl.where(y != y, y, q)
-
-
-@triton.jit
-def _to_code(q):
-    """Grid value -> uint8 fp8 bit pattern. NaN is written as 0x7F/0xFF (torch's choice) by hand: the
-    interpreter's cast gets NaN wrong too."""
-    code = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    nan_code = tl.where((q.to(tl.int32, bitcast=True) >> 31) != 0, 0xFF, 0x7F).to(tl.uint8)
-    return tl.where(q != q, nan_code, code)
-
-
-@triton.jit
-def _scale_of(amax):
-    return absmax_scale(amax, 448.0)
-
-
-@triton.jit
-def _finite_abs(x):
-    a = tl.abs(x)
-    return tl.where(a < float("inf"), a, 0.0)  # NaN and inf compare false: left out of the max
+    """fp32 -> fp32 on the E4M3 grid, as formats.round_to_grid(y, E4M3) (NaN stays NaN, +-inf saturates)."""
+    return round_to_grid(y, False, 448.0, 3, -6, 0, 0)
 
 
 @triton.jit
@@ -66,10 +45,10 @@ def _quant_groups_kernel(x_ptr, codes_ptr, scale_ptr, total_groups, N, NG,
     mask = (gid[:, None] < total_groups) & (cols < N) & (k[None, :] < G)
     offs = row[:, None].to(tl.int64) * N + cols
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(_finite_abs(x), axis=1)
-    scale = _scale_of(amax)
+    amax = tl.max(finite_abs(x), axis=1)
+    scale = absmax_scale(amax, 448.0)
     q = _round_e4m3(tl.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)))  # triton 3.6: no implicit broadcast here
-    tl.store(codes_ptr + offs, _to_code(q), mask=mask)
+    tl.store(codes_ptr + offs, fp8_bits(q, True), mask=mask)
     tl.store(scale_ptr + gid, scale, mask=gid < total_groups)
 
 
@@ -86,14 +65,14 @@ def _quant_rows_kernel(x_ptr, codes_ptr, scale_ptr, N, HAS_SCALE: tl.constexpr, 
         for start in range(0, N, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + base + cols, mask=cols < N, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, _finite_abs(x))
-        scale = _scale_of(tl.max(amax, axis=0))
+            amax = tl.maximum(amax, finite_abs(x))
+        scale = absmax_scale(tl.max(amax, axis=0), 448.0)
         tl.store(scale_ptr + row, scale)
     for start in range(0, N, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + base + cols, mask=cols < N, other=0.0).to(tl.float32)
         q = _round_e4m3(tl.div_rn(x, scale))
-        tl.store(codes_ptr + base + cols, _to_code(q), mask=cols < N)
+        tl.store(codes_ptr + base + cols, fp8_bits(q, True), mask=cols < N)
 
 
 @triton.jit
@@ -138,15 +117,10 @@ def _group_blocks(group_size: int) -> tuple[int, int]:
     return blocks
 
 
-def _rows(x: torch.Tensor) -> tuple[int, int]:
-    n = x.shape[-1] if x.dim() else 1
-    return (x.numel() // n if n else 0), n
-
-
 def quantize_groups(x: torch.Tensor, group_size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """x (contiguous, fp32/bf16/fp16) -> (uint8 codes of x's shape, fp32 scales (R, ceil(N/G)))."""
     assert x.is_contiguous()
-    r, n = _rows(x)
+    r, n = rows_of(x.shape)
     ng = -(-n // group_size)
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     scales = torch.empty((r, ng), dtype=torch.float32, device=x.device)
@@ -161,7 +135,7 @@ def quantize_groups(x: torch.Tensor, group_size: int = 16) -> tuple[torch.Tensor
 def quantize_rows(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x (contiguous) -> (uint8 codes, fp32 scales (R,)); with ``scale`` (one fp32 element) use it for all rows."""
     assert x.is_contiguous()
-    r, n = _rows(x)
+    r, n = rows_of(x.shape)
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     scales = scale.reshape(1).float() if scale is not None else torch.empty(r, dtype=torch.float32, device=x.device)
     if r and n:
@@ -174,7 +148,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, granularity: str, grou
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """uint8 codes + fp32 scales -> a tensor of ``dtype`` and the codes' shape."""
     assert codes.is_contiguous() and scales.is_contiguous()
-    _, n = _rows(codes)
+    _, n = rows_of(codes.shape)
     out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
     numel = codes.numel()
     if numel:

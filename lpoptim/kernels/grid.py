@@ -73,10 +73,18 @@ def fp8_cast_bits(q, IS_E4M3: tl.constexpr):
 
 @triton.jit
 def fp8_bits(q, IS_E4M3: tl.constexpr):
-    """fp32 grid values (or NaN) -> uint8 fp8 bit patterns; NaN becomes 0x7F (E4M3) / 0x7E (E5M2) like torch,
-    on every backend (the interpreter's cast gets NaN wrong)."""
+    """fp32 grid values (or NaN) -> uint8 fp8 bit patterns; NaN becomes 0x7F / 0xFF (E4M3) or 0x7E / 0xFE (E5M2)
+    by its sign, as torch writes it, on every backend (the interpreter's cast gets NaN wrong)."""
     nan_code: tl.constexpr = 0x7F if IS_E4M3 else 0x7E
-    return tl.where(q != q, nan_code, fp8_cast_bits(q, IS_E4M3)).to(tl.uint8)
+    nan_bits = tl.where((q.to(tl.int32, bitcast=True) >> 31) != 0, nan_code | 0x80, nan_code)
+    return tl.where(q != q, nan_bits, fp8_cast_bits(q, IS_E4M3)).to(tl.uint8)
+
+
+@triton.jit
+def finite_abs(x):
+    """|x|, with NaN and inf as 0: what an absmax scale is taken over (quant.finite_absmax)."""
+    a = tl.abs(x)
+    return tl.where(a < float("inf"), a, 0.0)  # NaN and inf compare false
 
 
 @triton.jit

@@ -21,7 +21,7 @@ from ..nn.hadamard import hadamard_pm1, inv_sqrt
 from ..nn.operands import container_dtype
 from ..quant import absmax_scale
 from .grid import absmax_scale as _absmax_scale
-from .grid import interpreted, round_to_grid
+from .grid import finite_abs, interpreted, round_to_grid
 
 @triton.jit
 def _load_tile(x_ptr, h_ptr, rows, c0, R, C, stride_r, stride_c, HB: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -53,9 +53,8 @@ def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, R, C, CP, stride_r, str
     else:  # pass 1: the row's absmax over finite elements (the second pass re-reads from L2)
         amax = tl.zeros((BLOCK_R,), tl.float32)
         for c0 in range(0, CP, BLOCK_C):
-            t = tl.abs(_load_tile(x_ptr, h_ptr, rows, c0, R, C, stride_r, stride_c, BLOCK_C, BLOCK_C, HAD,
-                                  INV_SQRT, BF16_DOT))
-            t = tl.where(t < float("inf"), t, 0.0)  # inf and NaN do not set the scale
+            t = finite_abs(_load_tile(x_ptr, h_ptr, rows, c0, R, C, stride_r, stride_c, BLOCK_C, BLOCK_C, HAD,
+                                      INV_SQRT, BF16_DOT))  # inf and NaN do not set the scale
             amax = tl.maximum(amax, tl.max(t, axis=1))
         scale = _absmax_scale(amax, FMAX)
         tl.store(scale_ptr + rows, scale, mask=rows < R)
