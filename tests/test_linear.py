@@ -273,3 +273,25 @@ def test_convert_linears_on_gpt():
     with pytest.warns(UserWarning):
         convert_linears(model, "fp4")  # already converted layers are left alone
     assert converted(model) == {"0": "fp8"}
+
+
+def test_no_grad_forward_saves_no_transposed_copy(monkeypatch):
+    from lpoptim.nn import functional
+
+    calls = []
+    real = functional._save_x_for_dw
+    monkeypatch.setattr(functional, "_save_x_for_dw", lambda *a: calls.append(1) or real(*a))
+    layer = convert_linears(torch.nn.Sequential(torch.nn.Linear(32, 16)), "fp8")
+    x = torch.randn(8, 32)
+    with torch.no_grad():
+        layer(x)
+    assert calls == []  # inference: nothing for a backward that cannot come
+    layer(x).sum().backward()
+    assert calls == [1]
+
+
+def test_recipe_refuses_unknown_forward_format():
+    from lpoptim.nn import get_recipe
+
+    with pytest.raises(ValueError, match="fwd_fmt"):
+        get_recipe("fp8", fwd_fmt="e5m2")

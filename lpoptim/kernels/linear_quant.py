@@ -28,7 +28,8 @@ def _load_tile(x_ptr, h_ptr, rows, c0, R, C, stride_r, stride_c, HB: tl.constexp
                HAD: tl.constexpr, INV_SQRT: tl.constexpr, BF16_DOT: tl.constexpr):
     cols = c0 + tl.arange(0, BLOCK_C)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
-    t = tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0)
+    t = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c, mask=mask,
+                other=0.0)  # int64 offsets: operands past 2^31 elements
     if HAD:
         hr = tl.arange(0, HB)
         h = tl.load(h_ptr + hr[:, None] * HB + hr[None, :])
@@ -64,7 +65,7 @@ def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, R, C, CP, stride_r, str
         q = round_to_grid(tl.math.div_rn(t, tl.broadcast_to(scale[:, None], t.shape)), IS_INT, FMAX, MAN, EMIN, QMIN, QMAX)
         cols = c0 + tl.arange(0, BLOCK_C)
         mask = (rows[:, None] < R) & (cols[None, :] < CP)
-        tl.store(out_ptr + rows[:, None] * CP + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * CP + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block: int | None = None,

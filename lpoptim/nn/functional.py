@@ -71,12 +71,13 @@ class _LowBitLinearFunction(torch.autograd.Function):
         return None
 
     @classmethod
-    def forward(cls, ctx, x, w, bias, r: Recipe, out_dtype: torch.dtype):
+    def forward(cls, ctx, x, w, bias, r: Recipe, out_dtype: torch.dtype, grad_enabled: bool):
         x2 = _flat(x)
         y = cls.forward_gemm(ctx, x2, w, r, out_dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        xt = _save_x_for_dw(x2, r) if w.requires_grad else None
+        # grad mode is off inside forward: the caller says whether a backward can follow (no xᵀ under no_grad)
+        xt = _save_x_for_dw(x2, r) if grad_enabled and w.requires_grad else None
         ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.has_bias = r, x.shape, x.dtype, bias is not None
         ctx.save_for_backward(w, *((xt.values, xt.scale) if xt is not None else ()))
         return y.to(out_dtype).reshape(*x.shape[:-1], w.shape[0])
@@ -98,7 +99,7 @@ class _LowBitLinearFunction(torch.autograd.Function):
             if dx is not None:
                 dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
             db = g2.sum(0, dtype=torch.float32).to(w.dtype) if (need_db and ctx.has_bias) else None
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 class Fp8LinearFunction(_LowBitLinearFunction):
@@ -161,4 +162,4 @@ def lowbit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     with torch.autocast(x.device.type, enabled=False):
-        return fn.apply(x, weight, bias, recipe, out_dtype)
+        return fn.apply(x, weight, bias, recipe, out_dtype, torch.is_grad_enabled())

@@ -57,6 +57,8 @@ def get_recipe(recipe: str | Recipe, **overrides) -> Recipe:
             raise ValueError(f"unknown recipe {recipe!r}; choose one of {sorted(RECIPES)}") from None
     if overrides:
         recipe = recipe.with_(**overrides)
+    if recipe.fwd_fmt not in ("e4m3", "e2m1", "int4_sym"):  # the formats nn/functional.py has a Function for
+        raise ValueError(f"fwd_fmt must be 'e4m3', 'e2m1' or 'int4_sym', got {recipe.fwd_fmt!r}")
     if recipe.granularity not in ("row", "tensor"):
         raise ValueError(f"granularity must be 'row' or 'tensor', got {recipe.granularity!r}")
     if recipe.backward not in ("fp8", "int4split"):
