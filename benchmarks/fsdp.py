@@ -195,8 +195,10 @@ def main(argv=None):
         results.append(entry)
 
     if rank == 0:
-        meta = {"world_size": world, "device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
-                "torch": torch.__version__, "batch_per_gpu": args.batch, "seq": args.seq, "steps": args.steps,
+        from lpoptim.bench import environment
+
+        meta = {**environment(), "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "world_size": world,
+                "device": torch.cuda.get_device_name(device) if use_cuda else "cpu", "batch_per_gpu": args.batch, "seq": args.seq, "steps": args.steps,
                 "warmup": args.warmup, "activation_checkpointing": args.ac, "torch_impl": args.torch_impl, "mixed_precision": "bf16 / fp32 reduce",
                 "targets": TARGETS}
         if args.out:

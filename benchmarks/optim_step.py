@@ -146,13 +146,10 @@ def main(argv=None):
             rows.append(r)
             print(f"{name:24s} {r['dtype']:9s} {r['step_ms']:8.2f} ms  first {r['first_step_s']:6.2f} s  "
                   f"{r['state_bytes_per_param']:.3f} B/param  floor {floor_ms:.2f} ms", flush=True)
-    info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_bandwidth_TBps=bw / 1e12,
+    from lpoptim.bench import environment
+
+    info = dict(environment(), copy_bandwidth_TBps=bw / 1e12,
                 params=rows[0]["params"] if rows else 0)
-    try:
-        import triton
-        info["triton"] = triton.__version__
-    except ImportError:
-        pass
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(info=info, rows=rows), indent=1))
     print(f"\n{info['gpu']}, torch {info['torch']}, triton {info.get('triton')}, copy {bw / 1e12:.2f} TB/s, "

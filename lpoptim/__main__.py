@@ -119,7 +119,8 @@ def cmd_train(args) -> int:
         quant = f"{sb['bytes_per_param']:.2f} ({sb['quantized_bytes_per_param']:.3f})" if sb["quantized_params"] else f"{sb['bytes_per_param']:.2f}"
         print(f"| {r['label']:40s} | {r['train']:10.4f} | {r['val']:8.4f} | {best:8.4f} | "
               f"{100 * (r['val'] / base['val'] - 1):+11.2f}% | {quant:>25s} | {r['seconds']:7.1f} |")
-    (out_dir / "train.json").write_text(json.dumps(dict(device=device, preset=preset, results=results), indent=1))
+    env = dict(bench.environment(), device=device)
+    (out_dir / "train.json").write_text(json.dumps(dict(env=env, device=device, preset=preset, results=results), indent=1))
     if plot_curves(results, out_dir / "train_loss.png"):
         print(f"wrote {out_dir / 'train.json'} and {out_dir / 'train_loss.png'}")
     return 0

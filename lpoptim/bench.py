@@ -292,19 +292,32 @@ def run(preset: str, recipes: list[str], batch: int, seq: int, steps: int, warmu
             log(f"  {name}: {row['error']}")
         free_memory()
         results.append(row)
-    env = dict(device=device, gpu=torch.cuda.get_device_name() if device == "cuda" else None,
-               torch=torch.__version__, triton=_triton_version(), memory_cap_gib=memory_cap_gib)
+    env = dict(environment(), device=device, memory_cap_gib=memory_cap_gib)
     return dict(env=env, preset=preset, model=asdict(cfg), batch=batch, seq=seq, steps=steps, warmup=warmup,
                 compile=compile_blocks, peak_measured=device == "cuda", results=results)
 
 
 def _triton_version() -> str | None:
-    try:
-        import triton
+    return _version("triton")
 
-        return triton.__version__
-    except Exception:  # noqa: BLE001
+
+def _version(package: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(package)
+    except Exception:  # noqa: BLE001  (not installed, or installed without metadata)
         return None
+
+
+def environment() -> dict:
+    """What every results JSON records beside its figures: GPU, versions (competitors included), command line."""
+    import shlex
+    import sys
+
+    return dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None, torch=torch.__version__,
+                triton=_triton_version(), bitsandbytes=_version("bitsandbytes"), torchao=_version("torchao"),
+                command=shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
 
 
 def table(report: dict) -> str:
