@@ -12,7 +12,7 @@ Saved MiB: allocator bytes held after forward (output excluded), on CUDA; "hooks
 hooks saw (lpoptim's accounting: lpoptim.activations.record_saved for the unwrapped variants, handle.record() for
 the wrapped ones). Time: CUDA events around forward+backward after warm-up, median of --iters, two inputs
 alternated (64 MiB each: larger than L2), random output gradients. Floor: the block's GEMM and attention FLOPs
-over the dense bf16 (or FP8 for the GEMMs of FP8 variants) peak measured in docs/DESIGN section 6.
+over the dense bf16 (or FP8 for the GEMMs of FP8 variants) rate measured on an H100 in ../shared/DESIGN.md §6.
 """
 from __future__ import annotations
 

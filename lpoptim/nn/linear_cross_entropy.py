@@ -1,8 +1,8 @@
 """The LM head and the cross-entropy loss in one step, chunk by chunk: the logits never exist whole.
 
 Why: at batch 4 x 2048 with a 32000-token vocabulary the logits are 262 M numbers; autocast's bf16 logits, the
-fp32 copy the loss is computed in and what cross_entropy saves for backward come to about 2.5 GB, more than a
-TinyLlama's optimizer states. Here each chunk of tokens gets its logits, loss and gradients (with respect to
+fp32 copy the loss is computed in and what cross_entropy saves for backward come to about 2.6 GB (arithmetic:
+262 M x (2 + 4 + 4) bytes), more than a TinyLlama's lpoptim states (2.3 GB). Here each chunk of tokens gets its logits, loss and gradients (with respect to
 the hidden states and the head's weight) at once, in forward, and the logits are dropped; backward only scales
 the stored gradients by the incoming one. What stays is one gradient of the hidden states (tokens x d, the
 compute dtype) and one of the weight (fp32, the weight's shape) — the approach of Liger-Kernel's fused linear
