@@ -1,11 +1,12 @@
-"""Dump the fused AdamW kernel's SASS (or PTX) and count instructions per element, per variant.
+"""Dump the fused AdamW kernel's SASS (or PTX) and count its instructions, per variant.
 
     python3 benchmarks/kernel_sass.py --out results      # on a GPU
 
 The step is bound by instruction issue (README): this shows where the instructions go. For each variant
 (fp32 / bf16 / bf16 with stochastic rounding) it steps one 4096 x 4096 tensor, takes the compiled kernel of
-that launch, keeps its SASS (from nvdisasm through Triton, else PTX) and prints opcode counts: the loop body
-handles LOOP x BLOCK_G x G elements, so instructions per element = body instructions / that.
+that launch, keeps its SASS (from nvdisasm through Triton, else PTX) and prints the opcode counts of the whole
+kernel: the table loads once, the loop body once (it is not unrolled), which handles BLOCK_G groups with each of
+the warp's 32 threads holding G / 32 elements of a group; so roughly, instructions per element = total / (G / 32).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lpoptim  # noqa: E402
 from lpoptim.kernels import adamw_step as kernel  # noqa: E402
+from lpoptim.optim.adamw import LPOPTIM_DEFAULTS  # noqa: E402
 
 
 def histogram(sass: str) -> collections.Counter:
@@ -36,7 +38,8 @@ def main():
     ap.add_argument("--out", type=Path, default=Path("results"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    elems = kernel.TUNING["loop"] * kernel.TUNING["block_groups"] * 128
+    group = LPOPTIM_DEFAULTS["group_size"]
+    elems = kernel.TUNING["loop"] * kernel.TUNING["block_groups"] * group
     dump = []
     for name, dtype, sr in (("fp32", torch.float32, False), ("bf16", torch.bfloat16, False),
                             ("bf16_sr", torch.bfloat16, True)):
@@ -45,7 +48,7 @@ def main():
         opt = lpoptim.AdamW([p], bf16_stochastic_round=sr)
         opt.step()
         asm = kernel.LAST_LAUNCH.asm
-        text = asm.get("sass") if "sass" in asm else None
+        text = asm.get("sass")
         kind = "sass"
         if not text:
             text, kind = asm["ptx"], "ptx"
@@ -54,7 +57,7 @@ def main():
             m.group(1) for m in re.finditer(r"^\s+([a-z][a-z0-9]*)[.\s]", text, re.M))
         total = sum(ops.values())
         print(f"{name}: {kind}, {total} instructions in the kernel ({elems} elements per program, "
-              f"loop body unrolled? see file); top: " + ", ".join(f"{k} {v}" for k, v in ops.most_common(25)))
+              f"~{total / (group / 32):.0f} per element); top: " + ", ".join(f"{k} {v}" for k, v in ops.most_common(25)))
     (args.out / "adamw_kernel_asm.txt").write_text("\n\n".join(dump))  # one file: the device returns few
 
 

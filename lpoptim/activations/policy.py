@@ -27,7 +27,6 @@ ATTENTION_OPS = frozenset({
     "flash_attn_func", "flash_attn_varlen_func",
 })
 
-KINDS = ("gemm", "attention", "nonlinear")
 
 
 @dataclass(frozen=True)

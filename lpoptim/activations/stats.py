@@ -95,17 +95,17 @@ class record_saved:
     def __init__(self, *modules):
         import torch
 
-        self._torch = torch
+        from .hooks import _storage_ptr  # here, not per saved tensor (hooks imports this module)
+
+        self._torch, self._storage_ptr = torch, _storage_ptr
         self.modules = modules
         self.stats = SavedStats()
         self._seen: dict[int, object] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t):
-        from .hooks import _storage_ptr
-
         nbytes = t.numel() * t.element_size()
-        ptr = _storage_ptr(t)
+        ptr = self._storage_ptr(t)
         if isinstance(t, self._torch.nn.Parameter) or ptr in self._params:
             self.stats.add("parameter", None, t, 0, 0)
         elif ptr is not None and ptr in self._seen:
