@@ -1,6 +1,7 @@
 """Dump the fused AdamW kernel's SASS (or PTX) and count its instructions, per variant.
 
     python3 benchmarks/kernel_sass.py --out results      # on a GPU
+    python3 benchmarks/kernel_sass.py --offline          # PTX compiled for sm_90 here, no GPU needed
 
 The step is bound by instruction issue (README): this shows where the instructions go. For each variant
 (fp32 / bf16 / bf16 with stochastic rounding) it steps one 4096 x 4096 tensor, takes the compiled kernel of
@@ -33,9 +34,33 @@ def histogram(sass: str) -> collections.Counter:
     return ops
 
 
+def offline_ptx(dtype: torch.dtype, stochastic: bool) -> str:
+    """The kernel's PTX for sm_90 compiled here, without a GPU (Triton's compiler needs none): the launch settings
+    of the default optimizer step on a contiguous, 16-byte aligned tensor with whole groups."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = kernel._adamw_kernel
+    consts = dict(PARAM_DTYPE=kernel._TL_DTYPES[dtype], G=LPOPTIM_DEFAULTS["group_size"],
+                  BLOCK_G=kernel.TUNING["block_groups"], LOOP=kernel.TUNING["loop"],
+                  **kernel._format_args("e4m3", "M"), **kernel._format_args("e4m3", "V"), QUANT=True, EXPANSION=True,
+                  SQRT_V=False, AMSGRAD=False, MAXIMIZE=False, DECAY_IS_PTR=False, HAS_GRAD_SCALE=False,
+                  HAS_FOUND_INF=False, EVEN_ROWS=True, ON_GPU=True, STOCHASTIC=stochastic, ALIGNED=True)
+    pointers = {"ptrs": "*i64", "dims": "*i32", "blocks": "*i32", "salt_ptr": "*i32"}
+    sig = {n: "constexpr" if n in consts else pointers.get(n, "*fp32") if n in pointers or n.endswith("_ptr")
+           else "fp32" for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=kernel.TUNING["num_warps"], enable_fp_fusion=False))
+    return compiled.asm["ptx"]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("results"))
+    ap.add_argument("--offline", action="store_true", help="compile PTX for sm_90 here, without a GPU")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     group = LPOPTIM_DEFAULTS["group_size"]
@@ -43,15 +68,17 @@ def main():
     dump = []
     for name, dtype, sr in (("fp32", torch.float32, False), ("bf16", torch.bfloat16, False),
                             ("bf16_sr", torch.bfloat16, True)):
-        p = torch.nn.Parameter(torch.randn(4096, 4096, device="cuda", dtype=dtype))
-        p.grad = torch.randn_like(p)
-        opt = lpoptim.AdamW([p], bf16_stochastic_round=sr)
-        opt.step()
-        asm = kernel.LAST_LAUNCH.asm
-        text = asm.get("sass")
-        kind = "sass"
-        if not text:
-            text, kind = asm["ptx"], "ptx"
+        if args.offline:
+            text, kind = offline_ptx(dtype, sr), "ptx"
+        else:
+            p = torch.nn.Parameter(torch.randn(4096, 4096, device="cuda", dtype=dtype))
+            p.grad = torch.randn_like(p)
+            opt = lpoptim.AdamW([p], bf16_stochastic_round=sr)
+            opt.step()
+            asm = kernel.LAST_LAUNCH.asm
+            text, kind = asm.get("sass"), "sass"
+            if not text:
+                text, kind = asm["ptx"], "ptx"
         dump.append(f"##### {name} ({kind})\n{text}")
         ops = histogram(text) if kind == "sass" else collections.Counter(
             m.group(1) for m in re.finditer(r"^\s+([a-z][a-z0-9]*)[.\s]", text, re.M))
