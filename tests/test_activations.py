@@ -451,3 +451,20 @@ def test_policy_granularity_memo_matches_the_rules():
         assert policy.granularity_for(op) == policy.granularity_of(policy.kind_of(op), op)
     assert ActivationPolicy() == ActivationPolicy()  # the memo is no field: equality and hashing ignore it
     assert hash(policy) == hash(ActivationPolicy(attention="keep", gemm_granularity="tensor"))
+
+
+def test_kept_tensor_modified_in_place_raises_as_in_autograd():
+    import lpoptim
+
+    class Scale(torch.nn.Module):
+        def forward(self, x, mask):
+            return x * mask  # mul saves mask (a constant: kept as it is)
+
+    block = Scale()
+    lpoptim.compress_activations(block)
+    x = torch.randn(64, 64, requires_grad=True)
+    mask = torch.rand(64, 64)
+    y = block(x, mask)
+    mask.mul_(2)  # plain autograd refuses this at backward; so must the wrapped block
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()

@@ -209,7 +209,7 @@ class PackContext:
             self._record(kind, t, size, size)
         kept = t.detach()
         remember(self.token, t, kept)  # later views and casts of it can be replayed from it (derive.py)
-        return kept
+        return Kept(kept)
 
     def is_module_tensor(self, t: torch.Tensor) -> bool:
         if type(t) is _Parameter:
@@ -305,6 +305,25 @@ class PackContext:
             self._record("parameter", t, 0, 0)
             return t
         return self._keep("other", t)
+
+
+class Kept:
+    """A tensor kept as it is, with its version when saved. Saved-tensor hooks switch off autograd's check that a
+    saved tensor was not modified in place before backward; this puts it back, so such a change raises, as it
+    would without the wrapper, instead of giving wrong gradients."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.version = tensor, tensor._version
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"a {tuple(self.tensor.shape)} tensor saved inside a block wrapped by lpoptim.compress_activations "
+                f"is at version {self.tensor._version}, saved at version {self.version}")
+        return self.tensor
 
 
 def unpack(x):
