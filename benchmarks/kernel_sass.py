@@ -53,7 +53,7 @@ def offline_ptx(dtype: torch.dtype, stochastic: bool) -> str:
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=kernel.TUNING["num_warps"], enable_fp_fusion=False))
+                              options=dict(num_warps=kernel.TUNING["num_warps"]))
     return compiled.asm["ptx"]
 
 

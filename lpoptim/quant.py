@@ -157,7 +157,9 @@ def choose_k_code(amax: torch.Tensor, amin: torch.Tensor, fmt: FloatFormat, expa
         return code
     span = math.log2(fmt.max / expansion_floor(fmt, target))
     valid = (amax > 0) & torch.isfinite(amin)
-    ratio_log2 = torch.log2(torch.where(valid, amax, torch.ones_like(amax)) / torch.where(valid, amin, torch.ones_like(amin)))
+    # log2(amax) - log2(amin), not log2(amax / amin): the kernel's order (two logs, no division)
+    ratio_log2 = (torch.log2(torch.where(valid, amax, torch.ones_like(amax)))
+                  - torch.log2(torch.where(valid, amin, torch.ones_like(amin))))
     k = span / ratio_log2.clamp_min(1e-6)  # a constant group: ratio 1, k huge, clamped below
     code = torch.floor((k - 1.0) * K_STEPS).clamp(0, K_MASK).to(torch.int32)
     return torch.where(valid, code, torch.zeros_like(code))
@@ -189,6 +191,19 @@ def expand(t: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     return torch.where(code > 0, torch.exp2(torch.log2(t) * k_of(code)), t)
 
 
+def fma(a: torch.Tensor, b: torch.Tensor, c: float) -> torch.Tensor:
+    """a * b + c for fp32 a, b rounded once, as a GPU's fma (the product is exact in fp64)."""
+    return (a.double() * b.double() + c).float()
+
+
+def expand_to_max(t: torch.Tensor, code: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """fmt.max * t ** k, in the kernel's order: 2^(k log2 t + log2 fmt.max), one rounding for the exponent
+    (log2 t is small for the values that matter, so the exponent keeps its precision). Every code takes it, k = 1
+    too: within an ulp of t * fmt.max."""
+    log2_max = torch.tensor(math.log2(fmt.max), dtype=torch.float32).item()  # the kernel's fp32 constant
+    return torch.exp2(fma(torch.log2(t), k_of(code), log2_max))
+
+
 def compress(t: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     """t ** (1 / k), the inverse of ``expand``."""
     return torch.where(code > 0, torch.exp2(torch.log2(t) * (1.0 / k_of(code))), t)
@@ -215,11 +230,11 @@ def encode_groups(g: torch.Tensor, fmt: FloatFormat = E4M3, expansion: bool = Tr
     scale = pack_scale(amax, choose_k_code(amax, amin, fmt, expansion, target))
     c, code = unpack_scale(scale)
     c = c.unsqueeze(-1)
-    inv_c = 1.0 / torch.where(c > 0, c, torch.ones_like(c))  # one division per group (the kernel does the same)
+    inv_c = 1.0 / torch.where(c > 0, c, torch.ones_like(c))  # one reciprocal per group (the kernel's is rcp.approx)
     # |x| <= amax <= c (1 + 2^-15): the clamp is the saturation (of +-inf too); a group without a finite
     # non-zero value (scale 0) encodes everything but NaN as 0
     t = torch.where(c > 0, (g.abs() * inv_c).clamp(max=1.0), torch.zeros_like(g))
-    f = expand(t, code.unsqueeze(-1)) * fmt.max
+    f = expand_to_max(t, code.unsqueeze(-1), fmt) if expansion else t * fmt.max
     q = torch.copysign(round_to_grid(f, fmt), g)  # +-inf saturates to the group's largest code
     return torch.where(torch.isnan(g), torch.full_like(q, float("nan")), q), scale
 

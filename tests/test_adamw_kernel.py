@@ -52,8 +52,8 @@ def _compare(params, ref_p, states, ref_s, layout, code_tol=0.002, scale_tol=0.0
     """Kernel and reference agree: step counts exactly; group scales in all but a few groups (the kernel's
     approximate lg2 can put k on the other side of a grid boundary, a different but equally valid encoding);
     codes within groups of equal scales but for a few ulp-level ties; decoded moments closely; parameters to a
-    few ulps of the parameter and of the update."""
-    groups = diff_groups = 0
+    few ulps of the parameter plus 2^-13 of the update."""
+    groups = diff_groups = far = elements = 0
     for p, rp, s, rs in zip(params, ref_p, states, ref_s):
         assert torch.equal(s["step"], rs["step"])
         for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
@@ -73,10 +73,14 @@ def _compare(params, ref_p, states, ref_s, layout, code_tol=0.002, scale_tol=0.0
             codes_b = to_groups(rs[name].view(torch.int8).float(), layout.group_size)[same]
             moved = (codes_a != codes_b).float().mean().item() if codes_a.numel() else 0.0
             assert moved <= code_tol, f"{name} {tuple(p.shape)}: {moved:.4%} of codes differ in equal-scale groups"
-        # the kernel divides by approximate reciprocals: a few ulps of the parameter and of the update (~lr)
-        tol = 4 * torch.finfo(p.dtype).eps * (rp.float().abs() + 1e-2)
-        close = ((p.float() - rp.float()).abs() <= tol).float().mean().item()
-        assert close > 0.999, f"{1 - close:.4%} of parameters differ by more than a few ulps"
+        # a few ulps of the parameter, and 2^-13 of the update (~lr = 1e-2): the kernel takes its powers in the
+        # log domain with approximate lg2/ex2/rcp, so a group absmax may move by an ulp, and when that crosses
+        # the scale's code bits (its low mantissa byte) the group's scale, and so its moments, move by 2^-15
+        eps = torch.finfo(p.dtype).eps
+        tol = 4 * eps * rp.float().abs() + max(4 * eps, 2.0 ** -13) * 1e-2
+        far += int(((p.float() - rp.float()).abs() > tol).sum())  # a code that moved one grid step
+        elements += p.numel()
+    assert far <= max(2, 1e-3 * elements), f"{far} of {elements} parameters differ by more than a few ulps"
     assert diff_groups <= max(2, scale_tol * groups), f"{diff_groups} of {groups} group scales differ"
 
 

@@ -309,16 +309,20 @@ def run():
 
 def test_ddp_matches_single_process(run):
     # DDP averages the two ranks' gradients; the reference computes the same average from the same half
-    # batches: only the reductions' rounding differs (ulps), which stays far below 1e-6 over these steps
+    # batches: only the reductions' rounding differs (ulps). That moves the loss by far less than 1e-6, unless a
+    # moment sits at an FP8 rounding boundary and takes the neighbouring code (one element's update moves by
+    # 2^-3 of itself: about 1e-6 of the loss here, seen once in 13 steps); a wrong average would move it by 1e-2
     for r in run["ranks"]:
-        assert r["ddp"] == pytest.approx(run["ref"], rel=1e-6, abs=1e-7)
+        assert r["ddp"] == pytest.approx(run["ref"], rel=1e-5, abs=1e-7)
 
 
 def test_fsdp2_matches_single_process(run):
     for r in run["ranks"]:
         # against the reference that reduces gradients as the ranks do: the same numbers to ulps (the step works
-        # row by row and FSDP2's dim-0 shards hold whole rows, so the sharded step rounds as the whole one)
-        assert r["fsdp"] == pytest.approx(run["ref"], rel=1e-6, abs=1e-7)
+        # row by row and FSDP2's dim-0 shards hold whole rows, so the sharded step rounds as the whole one), or
+        # one FP8 boundary apart, as for DDP above
+        assert r["fsdp"] == pytest.approx(run["ref"], rel=1e-5, abs=1e-7)
+        assert r["fsdp"] == r["ddp"]  # the same reductions: bit for bit
         # against a plain full-batch run: its gradient sums the batch in another order (ulp-level differences)
         # and a moment that sits at an FP8 rounding boundary may then round to the neighbouring code (a relative
         # step of 2^-3 for E4M3 in one element): the trajectories agree to FP8 precision times lr, not bitwise

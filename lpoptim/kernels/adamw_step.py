@@ -68,49 +68,60 @@ if HAVE_TRITON:
 
     @triton.jit
     def _decode(codes_ptr, scale_ptr, offs, mask, gid, gmask, IS_E4M3: tl.constexpr, INV_MAX: tl.constexpr,
-                QUANT: tl.constexpr, ON_GPU: tl.constexpr):
+                QUANT: tl.constexpr, EXPANSION: tl.constexpr, ON_GPU: tl.constexpr):
         """Moment values of a [BLOCK_G, G] tile; gid/gmask are [BLOCK_G, 1] (one scale per row of the tile)."""
         if not QUANT:  # small tensors keep plain fp32 moments
             return tl.load(codes_ptr.to(tl.pointer_type(tl.float32)) + offs, mask=mask, other=0.0)
         q = fp8_value(tl.load(codes_ptr + offs, mask=mask, other=0), IS_E4M3)
         c = tl.load(scale_ptr + gid, mask=gmask, other=0.0)
-        code = c.to(tl.int32, bitcast=True) & K_MASK_C
-        inv_k = tl.div_rn(1.0, _k_of(code))  # once per group, as the reference
         t = tl.abs(q) * INV_MAX
-        t = tl.where(code > 0, fast_exp2(fast_log2(t, ON_GPU) * inv_k, ON_GPU), t)  # t ** (1/k)
+        if EXPANSION:  # t ** (1/k); t = 1 (the group's absmax) stays exactly 1, so the scale cannot drift
+            code = c.to(tl.int32, bitcast=True) & K_MASK_C
+            inv_k = fast_rcp(_k_of(code), ON_GPU)  # once per group
+            t = tl.where(code > 0, fast_exp2(fast_log2(t, ON_GPU) * inv_k, ON_GPU), t)
         return with_sign_of(t * c, q)
 
     @triton.jit
     def _encode(x, codes_ptr, scale_ptr, offs, mask, gid, gmask, EXPANSION: tl.constexpr, IS_E4M3: tl.constexpr,
                 MAN_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FMAX: tl.constexpr, SPAN_LOG2: tl.constexpr,
-                QUANT: tl.constexpr, ON_GPU: tl.constexpr):
+                LOG2_MAX: tl.constexpr, QUANT: tl.constexpr, ON_GPU: tl.constexpr):
         if not QUANT:
             tl.store(codes_ptr.to(tl.pointer_type(tl.float32)) + offs, x, mask=mask)
             return
+        # masked-out lanes hold 0 (their loads' `other`), which neither statistic counts
         a = tl.abs(x)
-        finite = (a < float("inf")) & mask  # NaN compares false
-        amax = tl.max(tl.where(finite, a, 0.0), axis=1, keep_dims=True)
+        finite = tl.where(a < float("inf"), a, 0.0)  # NaN compares false
+        # magnitudes order as their bits do: integer reductions (one redux.sync per warp on the GPU, not shuffles)
+        amax = tl.max(finite.to(tl.int32, bitcast=True), axis=1, keep_dims=True).to(tl.float32, bitcast=True)
         code = tl.zeros_like(amax).to(tl.int32)
         if EXPANSION:  # k = log2(FMAX / floor) / log2(amax / amin), on a grid of 1/16, clamped to [1, 16.9]
-            amin = tl.min(tl.where(finite & (a > 0), a, float("inf")), axis=1, keep_dims=True)
-            valid = (amax > 0) & (amin < float("inf"))
-            ratio = tl.div_rn(tl.where(valid, amax, 1.0), tl.where(valid, amin, 1.0))
-            k = SPAN_LOG2 / tl.maximum(fast_log2(ratio, ON_GPU), 1e-6)
+            # the smallest nonzero finite magnitude: bits - 1 as unsigned sends 0 to the top
+            below = tl.min(finite.to(tl.uint32, bitcast=True) - 1, axis=1, keep_dims=True)
+            amin = (below + 1).to(tl.float32, bitcast=True)  # 0 when the group has no nonzero finite value
+            valid = (amax > 0) & (amin > 0)
+            span = fast_log2(tl.where(valid, amax, 1.0), ON_GPU) - fast_log2(tl.where(valid, amin, 1.0), ON_GPU)
+            k = SPAN_LOG2 / tl.maximum(span, 1e-6)
             code = tl.minimum(tl.maximum(tl.floor((k - 1.0) * K_STEPS_C), 0.0), K_MASK_C * 1.0).to(tl.int32)
             code = tl.where(valid, code, 0)
         c = ((amax.to(tl.int32, bitcast=True) & ~K_MASK_C) | code).to(tl.float32, bitcast=True)
         c = tl.where(amax >= 1.1754943508222875e-38, c, 0.0)  # fp32 subnormal absmax: flushed, as quant.pack_scale
         tl.store(scale_ptr + gid, c, mask=gmask)
-        inv_c = tl.div_rn(1.0, tl.where(c > 0, c, 1.0))  # once per group, as the reference
-        t = tl.where(c > 0, tl.minimum(a * inv_c, 1.0), 0.0)  # scale 0: everything but NaN encodes as 0
-        t = tl.where(code > 0, fast_exp2(fast_log2(t, ON_GPU) * _k_of(code), ON_GPU), t)  # t ** k
-        f = t * FMAX
-        # +-inf has t = 1 (saturates to the largest code); NaN stays NaN
-        if ON_GPU:  # cvt.rn.satfinite rounds to nearest even onto the grid (as grid_magnitude does)
-            codes = fp8_cast_bits(with_sign_of(tl.where(x == x, f, float("nan")), x), IS_E4M3)
+        if EXPANSION:
+            # FMAX * min(|x| / c, 1) ** k as 2^(k log2(|x| / c) + log2 FMAX): one fma, no clamp, no k = 1 case.
+            # |x| / c is at most a hair above 1 (c's low bits hold the code): log2 of it stays small, so the fp32
+            # exponent keeps its precision; values a hair above FMAX, and +-inf, saturate in the cast below
+            inv_c = fast_rcp(tl.where(c > 0, c, 1.0), ON_GPU)  # once per group
+            f = fast_exp2(tl.fma(fast_log2(a * inv_c, ON_GPU), _k_of(code), LOG2_MAX), ON_GPU)
+            f = tl.where((c > 0) | (x != x), f, 0.0)  # scale 0: everything but NaN encodes as 0; NaN stays NaN
         else:
-            q = with_sign_of(grid_magnitude(tl.where(x == x, f, 0.0), MAN_BITS, MIN_EXP, FMAX), x)
-            codes = fp8_bits(tl.where((x == x) | (mask == 0), q, float("nan")), IS_E4M3)
+            inv_c = tl.div_rn(1.0, tl.where(c > 0, c, 1.0))  # once per group, as the reference
+            f = tl.where(c > 0, tl.minimum(a * inv_c, 1.0), 0.0) * FMAX
+            f = tl.where(x == x, f, float("nan"))  # the GPU's min drops NaN
+        if ON_GPU:  # cvt.rn.satfinite rounds to nearest even onto the grid (as grid_magnitude does) and saturates
+            codes = fp8_cast_bits(with_sign_of(f, x), IS_E4M3)
+        else:
+            q = with_sign_of(grid_magnitude(tl.where(f == f, f, 0.0), MAN_BITS, MIN_EXP, FMAX), x)
+            codes = fp8_bits(tl.where((f == f) | (mask == 0), q, float("nan")), IS_E4M3)
         tl.store(codes_ptr + offs, codes, mask=mask)
 
     @triton.jit
@@ -119,9 +130,9 @@ if HAVE_TRITON:
         decay, one_minus_beta1, beta2, one_minus_beta2, eps,
         PARAM_DTYPE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
         M_E4M3: tl.constexpr, M_MAN: tl.constexpr, M_MINEXP: tl.constexpr, M_MAX: tl.constexpr, M_SPAN: tl.constexpr,
-        M_INV: tl.constexpr,
+        M_INV: tl.constexpr, M_LOG2: tl.constexpr,
         V_E4M3: tl.constexpr, V_MAN: tl.constexpr, V_MINEXP: tl.constexpr, V_MAX: tl.constexpr, V_SPAN: tl.constexpr,
-        V_INV: tl.constexpr,
+        V_INV: tl.constexpr, V_LOG2: tl.constexpr,
         QUANT: tl.constexpr, EXPANSION: tl.constexpr, SQRT_V: tl.constexpr, AMSGRAD: tl.constexpr,
         MAXIMIZE: tl.constexpr, DECAY_IS_PTR: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
         HAS_FOUND_INF: tl.constexpr, EVEN_ROWS: tl.constexpr, ON_GPU: tl.constexpr, LOOP: tl.constexpr,
@@ -180,8 +191,8 @@ if HAVE_TRITON:
             if MAXIMIZE:
                 g = -g
 
-            m = _decode(m_ptr, ms_ptr, offs, mask, gid, gmask, M_E4M3, M_INV, QUANT, ON_GPU)
-            v = _decode(v_ptr, vs_ptr, offs, mask, gid, gmask, V_E4M3, V_INV, QUANT, ON_GPU)
+            m = _decode(m_ptr, ms_ptr, offs, mask, gid, gmask, M_E4M3, M_INV, QUANT, EXPANSION, ON_GPU)
+            v = _decode(v_ptr, vs_ptr, offs, mask, gid, gmask, V_E4M3, V_INV, QUANT, EXPANSION, ON_GPU)
             if SQRT_V and QUANT:
                 v = v * v
             m = m + one_minus_beta1 * (g - m)  # torch's lerp for weights below 0.5
@@ -189,7 +200,8 @@ if HAVE_TRITON:
             sqrt_v = tl.sqrt(v)
             sqrt_v_used = sqrt_v
             if AMSGRAD:
-                v_max = _decode(vm_ptr, vms_ptr, offs, mask, gid, gmask, V_E4M3, V_INV, QUANT, ON_GPU)
+                v_max = _decode(vm_ptr, vms_ptr, offs, mask, gid, gmask, V_E4M3, V_INV, QUANT, EXPANSION,
+                                ON_GPU)
                 if SQRT_V and QUANT:
                     sqrt_v_used = tl.maximum(v_max, sqrt_v)
                     v_max = sqrt_v_used
@@ -200,17 +212,17 @@ if HAVE_TRITON:
             p = p * decay - step_size * (m * fast_rcp(denom, ON_GPU))
             if STOCHASTIC:  # onto the bf16 grid at random; the store below is then exact
                 p = round_bf16_stochastic(p, offs, key)
-            store_as(p_ptr + offs, p, mask, PARAM_DTYPE)
+            store_as(p_ptr + offs, p, mask, PARAM_DTYPE, ON_GPU)
 
-            _encode(m, m_ptr, ms_ptr, offs, mask, gid, gmask, EXPANSION, M_E4M3, M_MAN, M_MINEXP, M_MAX, M_SPAN, QUANT,
-                    ON_GPU)
+            _encode(m, m_ptr, ms_ptr, offs, mask, gid, gmask, EXPANSION, M_E4M3, M_MAN, M_MINEXP, M_MAX, M_SPAN, M_LOG2,
+                    QUANT, ON_GPU)
             if SQRT_V and QUANT:
                 v = sqrt_v
-            _encode(v, v_ptr, vs_ptr, offs, mask, gid, gmask, EXPANSION, V_E4M3, V_MAN, V_MINEXP, V_MAX, V_SPAN, QUANT,
-                    ON_GPU)
+            _encode(v, v_ptr, vs_ptr, offs, mask, gid, gmask, EXPANSION, V_E4M3, V_MAN, V_MINEXP, V_MAX, V_SPAN, V_LOG2,
+                    QUANT, ON_GPU)
             if AMSGRAD:
                 _encode(v_max, vm_ptr, vms_ptr, offs, mask, gid, gmask, EXPANSION, V_E4M3, V_MAN, V_MINEXP, V_MAX, V_SPAN,
-                        QUANT, ON_GPU)
+                        V_LOG2, QUANT, ON_GPU)
 
     N_PTRS_C = tl.constexpr(N_PTRS)
     K_STEPS_C = tl.constexpr(K_STEPS)
@@ -226,14 +238,17 @@ class _Plan:
         self.n_blocks = 0
         self.salts = self.salts_key = None  # stochastic rounding's per-tensor salts, on the device
         self.aligned = False  # every address a multiple of 16 bytes (vector loads)
+        self.tables = collections.OrderedDict()  # address tuple -> (device table, aligned), a few, most recent last
 
 
 _plans: collections.OrderedDict = collections.OrderedDict()  # least recently used first
 MAX_PLANS = 4096
+MAX_TABLES = 4  # address tables kept per plan: gradients that alternate between buffers find theirs again
+_STATE_KEYS = ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale", "max_exp_avg_sq", "max_exp_avg_sq_scale")
 LAST_LAUNCH = None  # the compiled kernel of the latest launch (its .asm holds PTX/SASS: benchmarks/kernel_sass.py)
 
 # Launch settings, measured on an H200 with benchmarks/optim_kernel.py: groups per program and warps.
-TUNING = dict(block_groups=1, num_warps=1, loop=8)
+TUNING = dict(block_groups=2, num_warps=1, loop=8)
 
 
 def _tables(batch, layout, block_g: int) -> _Plan:
@@ -258,27 +273,27 @@ def _tables(batch, layout, block_g: int) -> _Plan:
         plan.dims = _to_device(torch.tensor(dims, dtype=torch.int32), dev)
         plan.blocks = torch.cat(blocks).contiguous()
         plan.n_blocks = plan.blocks.shape[0]
-    addrs = []
-    for p, g, s, _l in batch:
-        row = [p.data_ptr(), g.data_ptr()]
-        for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-            row += [s[name].data_ptr() if name in s else 0,
-                    s[name + "_scale"].data_ptr() if name + "_scale" in s else 0]
-        addrs.append(tuple(row))
+    addrs = tuple((p.data_ptr(), g.data_ptr(), *[0 if t is None else t.data_ptr() for t in map(s.get, _STATE_KEYS)])
+                  for p, g, s, _l in batch)
     if addrs == plan.addr_key:
         return plan
-    if plan.addr_key is None:
-        plan.ptrs = _to_device(torch.tensor(addrs, dtype=torch.int64), dev)
-    else:  # usually only gradients moved (set_to_none, or a step per parameter in backward)
+    table = plan.tables.pop(addrs, None)  # gradients often come back to addresses seen a step or two ago
+    if table is None and plan.addr_key is not None:
+        # usually only gradients moved (set_to_none, or a step per parameter in backward)
         changed = [(t, c, v) for t, (new, old) in enumerate(zip(addrs, plan.addr_key)) for c, (v, o) in
                    enumerate(zip(new, old)) if v != o]
-        if len(changed) <= 8:  # written in place by the device, in stream order: no host memory, no sync
+        if len(changed) <= 8:  # the current table written in place by the device, in stream order: no host memory
+            table = plan.tables.pop(plan.addr_key)
             for t, c, v in changed:
-                plan.ptrs[t, c].fill_(v)
-        else:  # a new table through pinned memory, copied asynchronously
-            plan.ptrs = _to_device(torch.tensor(addrs, dtype=torch.int64), dev)
+                table[0][t, c].fill_(v)
+            table = (table[0], all(a % 16 == 0 for row in addrs for a in row))
+    if table is None:  # a new table through pinned memory, copied asynchronously
+        table = (_to_device(torch.tensor(addrs, dtype=torch.int64), dev), all(a % 16 == 0 for row in addrs for a in row))
+    plan.tables[addrs] = table  # most recently used last
+    if len(plan.tables) > MAX_TABLES:
+        del plan.tables[next(iter(plan.tables))]
     plan.addr_key = addrs
-    plan.aligned = all(a % 16 == 0 for row in addrs for a in row)  # only when an address moved
+    plan.ptrs, plan.aligned = table
     return plan
 
 
@@ -292,7 +307,7 @@ def _format_args(name: str, prefix: str) -> dict:
     fmt = get_format(name)
     return {f"{prefix}_E4M3": fmt.name == "e4m3", f"{prefix}_MAN": fmt.man_bits, f"{prefix}_MINEXP": fmt.min_normal_exp,
             f"{prefix}_MAX": fmt.max, f"{prefix}_SPAN": math.log2(fmt.max / expansion_floor(fmt)),
-            f"{prefix}_INV": inv_max(fmt)}
+            f"{prefix}_INV": inv_max(fmt), f"{prefix}_LOG2": math.log2(fmt.max)}
 
 
 def fused_adamw_step(batch, *, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, grad_scale=None, found_inf=None,
@@ -344,5 +359,5 @@ def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_de
         QUANT=layout.quantized, EXPANSION=layout.expansion, SQRT_V=layout.sqrt_v, AMSGRAD=amsgrad, MAXIMIZE=maximize,
         DECAY_IS_PTR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
         LOOP=loop, EVEN_ROWS=even, ON_GPU=not interpreted(), STOCHASTIC=salts is not None, ALIGNED=plan.aligned,
-        num_warps=TUNING["num_warps"], enable_fp_fusion=False,  # no fused multiply-adds: round as the reference does
+        num_warps=TUNING["num_warps"],
     )

@@ -105,9 +105,10 @@ def to_bf16_rne(x):
 
 
 @triton.jit
-def store_as(ptr, x, mask, DTYPE: tl.constexpr):
-    """Store fp32 ``x`` as DTYPE with round-to-nearest-even on every backend."""
-    if DTYPE == tl.bfloat16:
+def store_as(ptr, x, mask, DTYPE: tl.constexpr, ON_GPU: tl.constexpr):
+    """Store fp32 ``x`` as DTYPE with round-to-nearest-even on every backend (the GPU's cvt.rn does it in one
+    instruction for two values; the interpreter's cast truncates, so there it is done on the bits)."""
+    if DTYPE == tl.bfloat16 and not ON_GPU:
         tl.store(ptr, to_bf16_rne(x), mask=mask)
     else:
         tl.store(ptr, x.to(DTYPE), mask=mask)

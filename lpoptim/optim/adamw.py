@@ -126,27 +126,27 @@ class AdamW(Optimizer):
         hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                      weight_decay=group["weight_decay"], amsgrad=group["amsgrad"], maximize=group["maximize"])
         salts = self._salts() if group["bf16_stochastic_round"] else None
+        options = tuple(group[k] for k in _PREPARED_BY)
+        prepared = self.__dict__.setdefault("_prepared", {})
         fused_batch, fused_salts = [], []
         for p in params:
-            if p.grad is None:
+            grad = p.grad
+            if grad is None:
                 continue
-            if p.grad.is_sparse:
+            if grad.is_sparse:
                 raise RuntimeError("lpoptim.AdamW does not support sparse gradients")
-            param, grad = _local(p), _local(p.grad)
-            layout = StateLayout.for_param(p, group)  # the global shape decides, whatever the sharding
-            state = self.state[p]
-            if len(state) == 0:
-                state.update(self._new_state(p, param, layout, group["amsgrad"]))
-            elif group["amsgrad"] and "max_exp_avg_sq" not in state:
-                new = self._new_state(p, param, layout, True)
-                state.update({k: v for k, v in new.items() if k.startswith("max_")})
-            if _dist.is_dtensor(p):  # the math runs on the local shard; states are DTensors for DCP
-                state = {k: _local(v) for k, v in state.items()}
-                if param.numel() == 0:  # an empty shard (uneven FSDP2 sharding): only the step count moves
-                    state["step"].add_(1.0 if found_inf is None else (found_inf.to(param.device) == 0).float())
+            prep = prepared.get(p)
+            # what a parameter needs besides its gradient, worked out once: a step's host time is per parameter
+            if (prep is None or prep.options != options or prep.state is not self.state.get(p) or not prep.state
+                    or prep.dtensor):
+                prep = prepared[p] = self._prepare(p, group, options)
+                if prep.empty_shard:  # an empty shard (uneven FSDP2 sharding): only the step count moves
+                    prep.local_state["step"].add_(1.0 if found_inf is None else (found_inf.to(prep.param.device) == 0).float())
                     continue
-            _check_state(state, param, layout)
-            if group["fused"] is not False and param.device.type == "cuda" and kernel.supports(param, grad, layout):
+            if prep.dtensor:
+                grad = _local(grad)
+            param, state, layout = prep.param, prep.local_state, prep.layout
+            if prep.fusable and grad.dtype == param.dtype and grad.is_contiguous() and param.is_contiguous():
                 fused_batch.append((param, grad, state, layout))
                 fused_salts.append(salts[p] if salts else 0)
             elif group["fused"]:
@@ -158,6 +158,30 @@ class AdamW(Optimizer):
         if fused_batch:
             kernel.fused_adamw_step(fused_batch, grad_scale=grad_scale, found_inf=found_inf,
                                     sr_salts=fused_salts if salts else None, **hyper)
+
+    def _prepare(self, p, group: dict, options: tuple) -> _Prepared:
+        """Layout, state (made on first use, checked against the group's options), local views and whether the
+        kernel can step it. Redone when the group's options or the state object change (load_state_dict), and
+        every step for DTensors (their local views are rebuilt)."""
+        from ..kernels import adamw_step as kernel
+
+        param = _local(p)
+        layout = StateLayout.for_param(p, group)  # the global shape decides, whatever the sharding
+        state = self.state[p]
+        if len(state) == 0:
+            state.update(self._new_state(p, param, layout, group["amsgrad"]))
+        elif group["amsgrad"] and "max_exp_avg_sq" not in state:
+            new = self._new_state(p, param, layout, True)
+            state.update({k: v for k, v in new.items() if k.startswith("max_")})
+        dtensor = _dist.is_dtensor(p)
+        local_state = {k: _local(v) for k, v in state.items()} if dtensor else state
+        empty = dtensor and param.numel() == 0
+        if not empty:
+            _check_state(local_state, param, layout)
+        # the gradient's own checks (dtype, contiguity) are made every step
+        fusable = (group["fused"] is not False and param.device.type == "cuda"
+                   and kernel.supports(param, param, layout))
+        return _Prepared(options, state, param, local_state, layout, dtensor, empty, fusable)
 
     def _salts(self) -> dict:
         """Each parameter's index over all groups: its stochastic-rounding salt (stable across save and load)."""
@@ -233,6 +257,23 @@ class AdamW(Optimizer):
         for g in groups:
             g["decoupled_weight_decay"] = True
         return {"state": out_state, "param_groups": groups}
+
+
+# the group options a parameter's preparation depends on (a change re-prepares it)
+_PREPARED_BY = ("min_quant_numel", "exp_avg_format", "exp_avg_sq_format", "group_size", "expansion", "sqrt_exp_avg_sq",
+                "amsgrad", "fused")
+
+
+@dataclasses.dataclass
+class _Prepared:
+    options: tuple
+    state: dict  # the optimizer's state object for the parameter (identity: a new one re-prepares)
+    param: torch.Tensor  # the local tensor the kernel steps
+    local_state: dict
+    layout: StateLayout
+    dtensor: bool
+    empty_shard: bool
+    fusable: bool  # the kernel can step it, given a gradient of its dtype and contiguous
 
 
 def _check_group(group: dict) -> None:
