@@ -46,7 +46,7 @@ def main():
             states = [init_state(p, layout, False) for p in params]
             batch = [(p, g, s, layout) for p, g, s in zip(params, grads, states)]
             floor = n * (3 * es + (2 * 2 if quant else 2 * 8)) / bw * 1e3
-            variants = [(1, 1, 8), (1, 1, 4), (1, 1, 16), (1, 2, 8), (2, 2, 8), (2, 1, 8), (4, 4, 4)]
+            variants = [(2, 1, 8), (2, 1, 4), (4, 1, 4), (2, 2, 8)]
             for block, warps, loop in variants if quant else variants[:1]:
                 kernel.TUNING.update(block_groups=block, num_warps=warps, loop=loop)
                 kernel._plans.clear()

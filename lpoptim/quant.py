@@ -134,6 +134,12 @@ def quantize(x: torch.Tensor, fmt="e4m3", granularity: str = "tensor", group_siz
 K_BITS = 8
 K_MASK = (1 << K_BITS) - 1
 K_STEPS = 16.0  # k in [1, 1 + 255/16 = 16.9]: finer than the error it buys back
+# k is rounded down onto its grid after adding this slack (in grid steps). A group decoded and encoded again sits
+# exactly on a grid boundary: its decoded amin is the expansion floor mapped back with the grid k it had, so the
+# next exact k equals that grid k, and fp32 rounding (an approximate lg2 on the GPU) would pick it or the one
+# below at random, so the kernel and the reference, or two runs, would drift apart. With the slack the larger one
+# is kept; amin then maps to at least floor * 2^(-17.8/1024) > 0.98 floor, which still rounds to the floor.
+K_SLACK = 1.0 / 64
 
 
 def expansion_floor(fmt: FloatFormat, target: str = "subnormal") -> float:
@@ -146,7 +152,8 @@ def expansion_floor(fmt: FloatFormat, target: str = "subnormal") -> float:
 
 def choose_k_code(amax: torch.Tensor, amin: torch.Tensor, fmt: FloatFormat, expansion: bool = True,
                   target: str = "subnormal") -> torch.Tensor:
-    """The 8-bit code of the largest k on the grid with (amin/amax)^k · fmt.max >= the expansion floor.
+    """The 8-bit code of the largest k on the grid with (amin/amax)^k · fmt.max >= the expansion floor (up to
+    K_SLACK).
 
     COAT's k = log(fmt.max / floor) / log(amax / amin), rounded down onto k = 1 + code/16 and clamped to
     [1, 16.9]: never below 1 (which would shrink the range), never infinite (a constant group gets the largest
@@ -161,7 +168,7 @@ def choose_k_code(amax: torch.Tensor, amin: torch.Tensor, fmt: FloatFormat, expa
     ratio_log2 = (torch.log2(torch.where(valid, amax, torch.ones_like(amax)))
                   - torch.log2(torch.where(valid, amin, torch.ones_like(amin))))
     k = span / ratio_log2.clamp_min(1e-6)  # a constant group: ratio 1, k huge, clamped below
-    code = torch.floor((k - 1.0) * K_STEPS).clamp(0, K_MASK).to(torch.int32)
+    code = torch.floor((k - 1.0) * K_STEPS + K_SLACK).clamp(0, K_MASK).to(torch.int32)
     return torch.where(valid, code, torch.zeros_like(code))
 
 

@@ -366,8 +366,10 @@ def test_states_follow_local_shards(run):
 def test_dcp_2_ranks_to_1_process_continues(run):
     assert run["exact_2to1"]  # the 1 process holds the 2 ranks' states at the save, bit for bit
     ref = run["ref"][SAVE_AT:]
-    assert run["resumed_2to1"] == pytest.approx(run["ranks"][0]["fsdp"][SAVE_AT:], rel=0, abs=1e-6)
-    assert run["resumed_2to1"] == pytest.approx(ref, rel=0, abs=1e-6)
+    # the resumed process reduces gradients in another order: ulps, or one FP8 boundary apart (about 1e-6 of the
+    # loss, see test_ddp_matches_single_process); a state lost or misplaced in the resume moves it by 1e-2
+    assert run["resumed_2to1"] == pytest.approx(run["ranks"][0]["fsdp"][SAVE_AT:], rel=0, abs=1e-5)
+    assert run["resumed_2to1"] == pytest.approx(ref, rel=0, abs=1e-5)
 
 
 def test_dcp_1_process_to_2_ranks_continues(run):
@@ -375,7 +377,7 @@ def test_dcp_1_process_to_2_ranks_continues(run):
         assert r["resumed_1to2_exact"]  # each rank's shards gathered: the saved states, bit for bit
         assert r["plain_sd_exact"] and r["plain_sd_dtensor"]  # a plain state dict, each rank takes its piece
         assert r["replicated_sd_exact"]
-        assert r["resumed_1to2"] == pytest.approx(run["ref"][SAVE_AT:], rel=0, abs=1e-6)
+        assert r["resumed_1to2"] == pytest.approx(run["ref"][SAVE_AT:], rel=0, abs=1e-5)  # as above
 
 
 def test_dcp_keeps_codes_and_scales_dtypes(run):

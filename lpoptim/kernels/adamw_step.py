@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover - triton is a dependency, but keep the r
     HAVE_TRITON = False
 
 from ..formats import get_format
-from ..quant import K_MASK, K_STEPS, expansion_floor, inv_max
+from ..quant import K_MASK, K_SLACK, K_STEPS, expansion_floor, inv_max
 
 # the address table's columns: param, grad, then (codes, scale) of exp_avg, exp_avg_sq, max_exp_avg_sq
 N_PTRS = 8
@@ -101,7 +101,7 @@ if HAVE_TRITON:
             valid = (amax > 0) & (amin > 0)
             span = fast_log2(tl.where(valid, amax, 1.0), ON_GPU) - fast_log2(tl.where(valid, amin, 1.0), ON_GPU)
             k = SPAN_LOG2 / tl.maximum(span, 1e-6)
-            code = tl.minimum(tl.maximum(tl.floor((k - 1.0) * K_STEPS_C), 0.0), K_MASK_C * 1.0).to(tl.int32)
+            code = tl.minimum(tl.maximum(tl.floor((k - 1.0) * K_STEPS_C + K_SLACK_C), 0.0), K_MASK_C * 1.0).to(tl.int32)
             code = tl.where(valid, code, 0)
         c = ((amax.to(tl.int32, bitcast=True) & ~K_MASK_C) | code).to(tl.float32, bitcast=True)
         c = tl.where(amax >= 1.1754943508222875e-38, c, 0.0)  # fp32 subnormal absmax: flushed, as quant.pack_scale
@@ -226,6 +226,7 @@ if HAVE_TRITON:
 
     N_PTRS_C = tl.constexpr(N_PTRS)
     K_STEPS_C = tl.constexpr(K_STEPS)
+    K_SLACK_C = tl.constexpr(K_SLACK)
     K_MASK_C = tl.constexpr(K_MASK)
 
 
