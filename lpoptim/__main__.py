@@ -136,8 +136,10 @@ def cmd_bench(args, argv) -> int:
     batch, seq = bench.DEFAULT_SHAPE[preset]
     recipes = args.recipes.split(",")
     for name in recipes:
-        if name not in bench.STACKS:
-            raise SystemExit(f"unknown recipe {name!r}; choose from {','.join(bench.STACKS)}")
+        try:
+            bench.stack_of(name)
+        except KeyError as e:
+            raise SystemExit(e.args[0]) from None
     print(f"lpoptim bench: {preset}, {args.batch or batch} x {args.seq or seq} tokens, {device}", file=sys.stderr)
     report = bench.run(preset, recipes, args.batch or batch, args.seq or seq, args.steps, args.warmup, device,
                        compile_blocks=args.compile, log=lambda s: print(s, file=sys.stderr, flush=True),
@@ -166,7 +168,7 @@ def main(argv=None) -> int:
     b.add_argument("--batch", type=int, help="sequences per step (default: tiny 2, tinyllama 4, 7B/13B 1)")
     b.add_argument("--seq", type=int, help="tokens per sequence (default: tiny 64, others 2048)")
     b.add_argument("--recipes", default=",".join(STACKS),
-                   help="comma-separated subset of the default")
+                   help="comma-separated subset of the default; with --compile each may end in +sacNN (Inductor keeps NN%% of the activations, recomputes the rest)")
     b.add_argument("--steps", type=int, default=5, help="timed steps (median), after --warmup")
     b.add_argument("--warmup", type=int, default=2, help="untimed steps first (kernel compilation, state allocation)")
     b.add_argument("--compile", action="store_true", help="torch.compile each decoder block")

@@ -11,6 +11,8 @@ head and loss chunk by chunk: lpoptim.nn.linear_cross_entropy), ``+rec`` (FP8 bl
 backward), ``lpoptim+act`` (and
 compress_activations on every block), ``lpoptim+fp8+act`` / ``+fp4+act`` / ``+int4+act`` (and convert_linears),
 ``bnb`` (bitsandbytes AdamW8bit) and ``torchao`` (torchao float8 linears + AdamWFp8), the last two on CUDA only.
+With ``--compile`` any recipe may end in ``+sacNN``: Inductor's partitioner then keeps NN% of the activations the
+compiled block would save and recomputes the rest (torch._functorch.config.activation_memory_budget).
 
 Memory, per stack: parameters, gradients and optimizer states are sums of their tensors' bytes. On CUDA
 ``peak`` is torch.cuda.max_memory_allocated over the timed steps and ``activations`` is what the forward pass
@@ -44,6 +46,9 @@ class Stack:
     master: str = "fp32"  # the parameters' dtype: "fp32" (bf16 autocast) or "bf16" (lpoptim: stochastic rounding)
     chunked_loss: bool = False  # LM head + loss chunk by chunk (lpoptim.nn.linear_cross_entropy)
     recompute: bool = False  # compress_activations(recompute=True): only each block's input kept, in FP8
+    # compiled blocks only: Inductor's activation_memory_budget (a fraction of what the compiled block would save;
+    # its partitioner recomputes the cheapest ops to fit): recipe suffix +sacNN, NN percent
+    activation_budget: float | None = None
 
 
 STACKS = {
@@ -74,6 +79,22 @@ STACKS = {
     "torchao": Stack("torchao", "torchao", label="torchao float8 linears + AdamWFp8"),
 }
 
+SAC = "+sac"  # recipe suffix: +sac50 is the recipe with activation_budget 0.5
+
+
+def stack_of(name: str) -> Stack:
+    """The stack of a recipe name: one of STACKS, optionally followed by +sacNN (0 < NN <= 100)."""
+    base, sep, pct = name.rpartition(SAC)
+    if sep and base in STACKS and pct.isdigit() and 0 < int(pct) <= 100:
+        stack = STACKS[base]
+        return replace(stack, activation_budget=int(pct) / 100,
+                       label=f"{stack.label}, Inductor recomputes to {pct}% of saved activations")
+    if name in STACKS:
+        return STACKS[name]
+    raise KeyError(f"unknown recipe {name!r}; choose from {','.join(STACKS)} (each may end in {SAC}NN, NN in 1..100, "
+                   f"with --compile)")
+
+
 # (batch, seq) when not given on the command line
 DEFAULT_SHAPE = {"tiny": (2, 64), "tinyllama-1.1b": (4, 2048), "llama2-7b": (1, 2048), "llama2-13b": (1, 2048),
                  "llama-30b": (1, 2048)}
@@ -81,8 +102,11 @@ DEFAULT_SHAPE = {"tiny": (2, 64), "tinyllama-1.1b": (4, 2048), "llama2-7b": (1, 
 PARTS = ("params", "grads", "states", "activations")
 
 
-def unavailable(name: str, device: str) -> str | None:
+def unavailable(name: str, device: str, compile_blocks: bool = False) -> str | None:
     """Why stack ``name`` cannot run here (None: it can)."""
+    if stack_of(name).activation_budget is not None and not compile_blocks:
+        return f"{SAC}NN is a budget for Inductor's partitioner: it needs --compile"
+    name = name.rpartition(SAC)[0] if SAC in name else name
     if name == "bnb":
         try:
             import bitsandbytes  # noqa: F401
@@ -185,6 +209,18 @@ def saved_bytes(model, handle, fwd) -> tuple[object, int]:
 
 def run_stack(stack: Stack, cfg: LlamaConfig, batch: int, seq: int, steps: int, warmup: int, device: str,
               compile_blocks: bool) -> dict:
+    if compile_blocks:  # every stack compiles afresh: graphs (and the budget's partition) are not shared
+        torch._dynamo.reset()
+    if stack.activation_budget is not None:
+        import torch._functorch.config as functorch_config
+
+        with functorch_config.patch(activation_memory_budget=stack.activation_budget):
+            return _run_stack(stack, cfg, batch, seq, steps, warmup, device, compile_blocks)
+    return _run_stack(stack, cfg, batch, seq, steps, warmup, device, compile_blocks)
+
+
+def _run_stack(stack: Stack, cfg: LlamaConfig, batch: int, seq: int, steps: int, warmup: int, device: str,
+               compile_blocks: bool) -> dict:
     cuda = device == "cuda"
     model, opt, handle = build(stack, cfg, device, compile_blocks)
     gen = torch.Generator(device=device).manual_seed(1)
@@ -268,9 +304,9 @@ def run(preset: str, recipes: list[str], batch: int, seq: int, steps: int, warmu
     steps, warmup = max(1, steps), max(1, warmup)  # the last warm-up step is the one that measures memory
     results = []
     for name in recipes:
-        stack = STACKS[name]
-        row = dict(recipe=name, label=stack.label, master=stack.master)
-        why = unavailable(name, device)
+        stack = stack_of(name)
+        row = dict(recipe=name, label=stack.label, master=stack.master, activation_budget=stack.activation_budget)
+        why = unavailable(name, device, compile_blocks)
         if why:
             log(f"  {name}: skipped, {why}")
             results.append(dict(row, skipped=why))

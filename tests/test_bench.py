@@ -55,3 +55,30 @@ def test_llama_gqa_shapes():
     assert cfg.n_kv_head < cfg.n_head and model.layers[0].attn.k_proj.out_features == cfg.n_kv_head * cfg.head_dim
     logits, loss = model(torch.randint(0, cfg.vocab_size, (2, 16)))
     assert logits.shape == (2, 16, cfg.vocab_size) and loss is None
+
+
+def test_sac_suffix_sets_inductors_budget(monkeypatch, tmp_path):
+    import pytest
+    import torch._functorch.config as functorch_config
+
+    from lpoptim import bench
+
+    stack = bench.stack_of("lpoptim-bf16+bwd+ce+sac65")
+    assert stack.activation_budget == 0.65 and stack.chunked_loss and stack.in_backward
+    assert bench.stack_of("bf16").activation_budget is None
+    for bad in ("bf16+sac0", "bf16+sac101", "bf16+sacx", "nope+sac50"):
+        with pytest.raises(KeyError):
+            bench.stack_of(bad)
+    # eager: skipped with the reason, not run without its budget
+    assert "--compile" in bench.unavailable("bf16+sac50", "cpu", compile_blocks=False)
+    assert bench.unavailable("bf16+sac50", "cpu", compile_blocks=True) is None
+    seen = []
+    monkeypatch.setattr(bench, "_run_stack", lambda *a: seen.append(functorch_config.activation_memory_budget) or {})
+    default = functorch_config.activation_memory_budget
+    bench.run_stack(stack, None, 1, 1, 1, 1, "cpu", compile_blocks=False)
+    bench.run_stack(bench.stack_of("bf16"), None, 1, 1, 1, 1, "cpu", compile_blocks=False)
+    assert seen == [0.65, default] and functorch_config.activation_memory_budget == default
+    assert main(["bench", "--preset", "tiny", "--recipes", "bf16+sac50", "--steps", "1", "--warmup", "1",
+                 "--device", "cpu", "--out", str(tmp_path)]) == 0
+    row = json.loads((tmp_path / "bench.json").read_text())["results"][0]
+    assert "--compile" in row["skipped"] and row["activation_budget"] == 0.5

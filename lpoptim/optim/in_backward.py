@@ -16,6 +16,8 @@ inf over all gradients before the step). The LR scheduler still works: each upda
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -39,14 +41,19 @@ def step_in_backward(optimizer, bucket_mb: float = 128) -> InBackwardHandle:
     if bucket_mb < 0:
         raise ValueError(f"bucket_mb must be >= 0, got {bucket_mb}")
     limit = bucket_mb * 2**20
-    pending: dict[int, tuple[dict, list]] = {}  # id(group) -> (group, params waiting)
+    # the hooks live on the parameters (held by C++, out of the garbage collector's sight), so they hold the
+    # optimizer only weakly: a strong reference would keep model and optimizer alive after the user drops them
+    opt_ref = weakref.ref(optimizer)
+    pending: dict[int, list] = {}  # group index -> params waiting
     state = {"bytes": 0, "flush_queued": False}
 
     def flush() -> None:
-        for group, params in pending.values():
-            optimizer.step_params(params, group)
-            for p in params:
-                p.grad = None
+        opt = opt_ref()
+        if opt is not None:
+            for index, params in pending.items():
+                opt.step_params(params, opt.param_groups[index])
+                for p in params:
+                    p.grad = None
         pending.clear()
         state["bytes"] = 0
 
@@ -54,9 +61,11 @@ def step_in_backward(optimizer, bucket_mb: float = 128) -> InBackwardHandle:
         state["flush_queued"] = False
         flush()
 
-    def make_hook(group):
+    def make_hook(index: int):
         def hook(p: torch.Tensor) -> None:
-            pending.setdefault(id(group), (group, []))[1].append(p)
+            if opt_ref() is None:  # the optimizer is gone: gradients accumulate as without the hooks
+                return
+            pending.setdefault(index, []).append(p)
             state["bytes"] += p.grad.numel() * p.grad.element_size()
             if state["bytes"] >= limit:
                 flush()
@@ -65,6 +74,6 @@ def step_in_backward(optimizer, bucket_mb: float = 128) -> InBackwardHandle:
                 state["flush_queued"] = True
         return hook
 
-    hooks = [p.register_post_accumulate_grad_hook(make_hook(group))
-             for group in optimizer.param_groups for p in group["params"]]
+    hooks = [p.register_post_accumulate_grad_hook(make_hook(index))
+             for index, group in enumerate(optimizer.param_groups) for p in group["params"]]
     return InBackwardHandle(hooks)

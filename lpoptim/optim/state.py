@@ -12,6 +12,8 @@ Everything is a plain tensor: a checkpoint loads with torch.load(weights_only=Tr
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -32,16 +34,25 @@ class StateLayout:
     def format_of(self, name: str) -> FloatFormat:
         return get_format(self.exp_avg_format if name == "exp_avg" else self.exp_avg_sq_format)
 
+    def __post_init__(self):  # hashed once: the fused step groups its batch by layout every step
+        object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
+
+    def __hash__(self):
+        return self._hash
+
+    def __reduce__(self):  # string hashes differ between processes: a pickled layout hashes itself anew
+        return StateLayout, dataclasses.astuple(self)
+
     @staticmethod
     def for_param(param: torch.Tensor, group: dict) -> "StateLayout":
-        return StateLayout(
-            quantized=param.numel() >= group["min_quant_numel"],
-            exp_avg_format=group["exp_avg_format"],
-            exp_avg_sq_format=group["exp_avg_sq_format"],
-            group_size=group["group_size"],
-            expansion=group["expansion"],
-            sqrt_v=group["sqrt_exp_avg_sq"],
-        )
+        return _layout(param.numel() >= group["min_quant_numel"], group["exp_avg_format"], group["exp_avg_sq_format"],
+                       group["group_size"], group["expansion"], group["sqrt_exp_avg_sq"])
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(*fields) -> StateLayout:
+    """One StateLayout object per distinct layout: dict lookups by it then stop at identity."""
+    return StateLayout(*fields)
 
 
 def init_state(param: torch.Tensor, layout: StateLayout, amsgrad: bool) -> dict[str, torch.Tensor]:
