@@ -69,6 +69,10 @@ STACKS = {
                                      label="lpoptim.AdamW bf16 SR, step in backward, FP8 act., chunked head+loss"),
     "lpoptim-bf16+fp8+act+bwd+ce": Stack("lpoptim", "fp8", True, in_backward=True, master="bf16", chunked_loss=True,
                                          label="lpoptim.AdamW bf16 SR, step in bwd, fp8 linears, FP8 act., chunked loss"),
+    "lpoptim-bf16+bwd+ce+sac70": Stack("lpoptim", in_backward=True, master="bf16", chunked_loss=True,
+                                       activation_budget=0.7,
+                                       label="lpoptim.AdamW bf16 SR, step in bwd, chunked loss, Inductor keeps 70% of "
+                                             "activations (--compile)"),
     "lpoptim-bf16+rec+bwd+ce": Stack("lpoptim", compress=True, in_backward=True, master="bf16", chunked_loss=True,
                                      recompute=True,
                                      label="lpoptim.AdamW bf16 SR, step in bwd, FP8 block inputs + recompute, chunked loss"),
@@ -84,13 +88,13 @@ SAC = "+sac"  # recipe suffix: +sac50 is the recipe with activation_budget 0.5
 
 def stack_of(name: str) -> Stack:
     """The stack of a recipe name: one of STACKS, optionally followed by +sacNN (0 < NN <= 100)."""
+    if name in STACKS:
+        return STACKS[name]
     base, sep, pct = name.rpartition(SAC)
     if sep and base in STACKS and pct.isdigit() and 0 < int(pct) <= 100:
         stack = STACKS[base]
         return replace(stack, activation_budget=int(pct) / 100,
-                       label=f"{stack.label}, Inductor recomputes to {pct}% of saved activations")
-    if name in STACKS:
-        return STACKS[name]
+                       label=f"{stack.label}, Inductor keeps {pct}% of activations (--compile)")
     raise KeyError(f"unknown recipe {name!r}; choose from {','.join(STACKS)} (each may end in {SAC}NN, NN in 1..100, "
                    f"with --compile)")
 
