@@ -1,13 +1,15 @@
 """Dump the fused AdamW kernel's SASS (or PTX) and count its instructions, per variant.
 
     python3 benchmarks/kernel_sass.py --out results      # on a GPU
-    python3 benchmarks/kernel_sass.py --offline          # PTX compiled for sm_90 here, no GPU needed
+    python3 benchmarks/kernel_sass.py --offline          # compiled for sm_90 here, no GPU needed (SASS by the
+                                                         # ptxas and nvdisasm Triton ships, else PTX)
 
 The step is bound by instruction issue (README): this shows where the instructions go. For each variant
 (fp32 / bf16 / bf16 with stochastic rounding) it steps one 4096 x 4096 tensor, takes the compiled kernel of
 that launch, keeps its SASS (from nvdisasm through Triton, else PTX) and prints the opcode counts of the whole
-kernel: the table loads once, the loop body once (it is not unrolled), which handles BLOCK_G groups with each of
-the warp's 32 threads holding G / 32 elements of a group; so roughly, instructions per element = total / (G / 32).
+kernel: the table loads once, the loop body once (it is not unrolled), which handles BLOCK_G groups with each
+thread holding BLOCK_G * G / (32 * num_warps) elements; so roughly, instructions per element and thread = total
+divided by that (a warp issues each instruction once for its 32 threads).
 """
 from __future__ import annotations
 
@@ -34,8 +36,9 @@ def histogram(sass: str) -> collections.Counter:
     return ops
 
 
-def offline_ptx(dtype: torch.dtype, stochastic: bool) -> str:
-    """The kernel's PTX for sm_90 compiled here, without a GPU (Triton's compiler needs none): the launch settings
+def offline_ptx(dtype: torch.dtype, stochastic: bool) -> dict:
+    """The kernel compiled here for sm_90 (PTX, and a cubin where ptxas is at hand), without a GPU (Triton's
+    compiler needs none): the launch settings
     of the default optimizer step on a contiguous, 16-byte aligned tensor with whole groups."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -53,8 +56,24 @@ def offline_ptx(dtype: torch.dtype, stochastic: bool) -> str:
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=kernel.TUNING["num_warps"]))
-    return compiled.asm["ptx"]
+                              options=dict(num_warps=kernel.TUNING["num_warps"], enable_fp_fusion=True))
+    return compiled.asm
+
+
+def offline_sass(asm: dict) -> str | None:
+    """SASS from the offline cubin by the nvdisasm Triton ships (None where it is missing)."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    if "cubin" not in asm or not tool.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(asm["cubin"])
+        f.flush()
+        return subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=True).stdout
 
 
 def main():
@@ -65,11 +84,15 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     group = LPOPTIM_DEFAULTS["group_size"]
     elems = kernel.TUNING["loop"] * kernel.TUNING["block_groups"] * group
+    per_thread = kernel.TUNING["block_groups"] * group / (32 * kernel.TUNING["num_warps"])  # elements per loop pass
     dump = []
     for name, dtype, sr in (("fp32", torch.float32, False), ("bf16", torch.bfloat16, False),
                             ("bf16_sr", torch.bfloat16, True)):
         if args.offline:
-            text, kind = offline_ptx(dtype, sr), "ptx"
+            asm = offline_ptx(dtype, sr)
+            text, kind = offline_sass(asm), "sass"
+            if text is None:
+                text, kind = asm["ptx"], "ptx"
         else:
             p = torch.nn.Parameter(torch.randn(4096, 4096, device="cuda", dtype=dtype))
             p.grad = torch.randn_like(p)
@@ -84,7 +107,7 @@ def main():
             m.group(1) for m in re.finditer(r"^\s+([a-z][a-z0-9]*)[.\s]", text, re.M))
         total = sum(ops.values())
         print(f"{name}: {kind}, {total} instructions in the kernel ({elems} elements per program, "
-              f"~{total / (group / 32):.0f} per element); top: " + ", ".join(f"{k} {v}" for k, v in ops.most_common(25)))
+              f"~{total / per_thread:.0f} per element per thread); top: " + ", ".join(f"{k} {v}" for k, v in ops.most_common(25)))
     (args.out / "adamw_kernel_asm.txt").write_text("\n\n".join(dump))  # one file: the device returns few
 
 

@@ -360,5 +360,7 @@ def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_de
         QUANT=layout.quantized, EXPANSION=layout.expansion, SQRT_V=layout.sqrt_v, AMSGRAD=amsgrad, MAXIMIZE=maximize,
         DECAY_IS_PTR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
         LOOP=loop, EVEN_ROWS=even, ON_GPU=not interpreted(), STOCHASTIC=salts is not None, ALIGNED=plan.aligned,
-        num_warps=TUNING["num_warps"],
+        # fused multiply-adds on (Triton 3.9 warns that its default will change): ~4% fewer instructions, within
+        # the ulp-level bound the GPU tests allow
+        num_warps=TUNING["num_warps"], enable_fp_fusion=True,
     )
