@@ -143,9 +143,13 @@ def kernel_benchmarks(args, device, dtype, cuda):
         ("e2m1 per row", lambda: operands.quantize_operand(x, "e2m1")),
         ("int4 + Hadamard 128 per row", lambda: operands.quantize_operand(x, "int4_sym", "row", 64 if args.small else 128)),
         ("int4 + Hadamard 128, transposed", lambda: operands.quantize_operand(x.t(), "int4_sym", "row", 64 if args.small else 128)),
+        # x per row and per column in two passes (fp8 recipe: forward x and saved xᵀ, backward dy and dyᵀ); its
+        # bytes: both copies written, x read once
+        ("e4m3 rows and columns together (x and saved x for dW)",
+         lambda: operands.quantize_operand_and_transpose(x, "e4m3", "e4m3")),
     ]
-    nbytes = x.numel() * (x.element_size() + 1)
     for label, fn in cases:
+        nbytes = x.numel() * (x.element_size() + (2 if "together" in label else 1))
         row = {"kernel": label, "shape": f"{m}x{k}", "dtype": str(dtype).replace("torch.", ""),
                "path": "triton" if cuda else "torch reference"}
         try:

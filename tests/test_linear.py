@@ -279,15 +279,19 @@ def test_no_grad_forward_saves_no_transposed_copy(monkeypatch):
     from lpoptim.nn import functional
 
     calls = []
-    real = functional._save_x_for_dw
-    monkeypatch.setattr(functional, "_save_x_for_dw", lambda *a: calls.append(1) or real(*a))
-    layer = convert_linears(torch.nn.Sequential(torch.nn.Linear(32, 16)), "fp8")
-    x = torch.randn(8, 32)
-    with torch.no_grad():
-        layer(x)
-    assert calls == []  # inference: nothing for a backward that cannot come
-    layer(x).sum().backward()
-    assert calls == [1]
+    real, real_both = functional._save_x_for_dw, functional.quantize_operand_and_transpose
+    monkeypatch.setattr(functional, "_save_x_for_dw", lambda *a: calls.append("xt") or real(*a))
+    monkeypatch.setattr(functional, "quantize_operand_and_transpose", lambda *a: calls.append("x+xt") or real_both(*a))
+    for recipe, made in (("fp8", "x+xt"), ("int4", "xt")):  # fp8 quantizes x and xᵀ together
+        layer = convert_linears(torch.nn.Sequential(torch.nn.Linear(32, 16)), recipe)
+        x = torch.randn(8, 32)
+        with torch.no_grad():
+            layer(x)
+        assert calls == []  # inference: nothing for a backward that cannot come
+        y = layer(x)
+        assert calls == [made]
+        y.sum().backward()
+        calls.clear()
 
 
 def test_recipe_refuses_unknown_forward_format():

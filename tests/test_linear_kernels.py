@@ -59,3 +59,30 @@ def test_kernel_ignores_nonfinite_in_scale():
 def test_kernel_rejects_bad_padding():
     with pytest.raises(ValueError, match="Hadamard block"):
         lq.quantize_rows(_x(8, 40, False), "int4_sym", "row", 32, 48)
+
+
+@pytest.mark.parametrize("row_fmt,col_fmt", [("e4m3", "e4m3"), ("e5m2", "e5m2"), ("e4m3", "e5m2")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_and_cols_together_match_two_references(row_fmt, col_fmt, dtype):
+    """One row pass leaves the column maxima (atomics), one column pass uses them: the same bits as quantizing
+    x and x.t() on their own, non-finite values, zero rows and columns and padding included."""
+    x = _x(70, 37, False, dtype)
+    x[:, 5] = 0.0  # an all-zero column gets scale 1
+    x[9, 11], x[20, 3] = float("inf"), float("nan")  # set no scale; saturate / stay NaN
+    (rv, rs), (cv, cs) = lq.quantize_rows_and_cols(x, lq.get_format(row_fmt), lq.get_format(col_fmt), 48, 80)
+    for (v, s), ref in (((rv, rs), quantize_operand_ref(x, row_fmt, "row", None, 48)),
+                        ((cv, cs), quantize_operand_ref(x.t(), col_fmt, "row", None, 80))):
+        assert v.dtype == ref.values.dtype and v.shape == ref.values.shape and v.is_contiguous()
+        assert torch.equal(v.float().nan_to_num(7.0), ref.values.float().nan_to_num(7.0))
+        assert torch.equal(s, ref.scale)
+    assert cv.shape == (37, 80) and (cv.float()[:, 70:] == 0).all()
+
+
+def test_operand_and_transpose_falls_back_to_the_reference_on_cpu():
+    from lpoptim.nn.operands import quantize_operand_and_transpose
+
+    x = _x(20, 33, False)
+    a, b = quantize_operand_and_transpose(x, "e4m3", "e5m2")
+    ra, rb = quantize_operand_ref(x, "e4m3", "row", None, 48), quantize_operand_ref(x.t(), "e5m2", "row", None, 32)
+    assert torch.equal(a.values.float(), ra.values.float()) and torch.equal(b.values.float(), rb.values.float())
+    assert torch.equal(a.scale, ra.scale) and torch.equal(b.scale, rb.scale)

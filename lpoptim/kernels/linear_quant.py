@@ -21,7 +21,7 @@ from ..nn.hadamard import hadamard_pm1, inv_sqrt
 from ..nn.operands import container_dtype
 from ..quant import absmax_scale
 from .grid import absmax_scale as _absmax_scale
-from .grid import finite_abs, interpreted, round_to_grid
+from .grid import finite_abs, fp8_bits, interpreted, round_to_grid
 
 @triton.jit
 def _load_tile(x_ptr, h_ptr, rows, c0, R, C, stride_r, stride_c, HB: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -42,38 +42,59 @@ def _load_tile(x_ptr, h_ptr, rows, c0, R, C, stride_r, stride_c, HB: tl.constexp
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, R, C, CP, stride_r, stride_c,
+def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, R, C, CP, stride_r, stride_c,
                        IS_INT: tl.constexpr, FMAX: tl.constexpr, MAN: tl.constexpr, EMIN: tl.constexpr,
                        QMIN: tl.constexpr, QMAX: tl.constexpr, PER_TENSOR: tl.constexpr, HAD: tl.constexpr,
                        INV_SQRT: tl.constexpr, BF16_DOT: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_C: tl.constexpr):
+                       BLOCK_C: tl.constexpr, COL_MAX: tl.constexpr, SCALE_FROM_MAX: tl.constexpr,
+                       ON_GPU: tl.constexpr, CONTAINER_E4M3: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     if PER_TENSOR:
         scale = tl.load(scale_ptr) + tl.zeros((BLOCK_R,), tl.float32)
+    elif SCALE_FROM_MAX:  # the rows' absmax came with another pass (the column maxima of quantize_rows_and_cols)
+        amax = tl.load(colmax_ptr + rows, mask=rows < R, other=0).to(tl.float32, bitcast=True)
+        scale = _absmax_scale(amax, FMAX)
+        tl.store(scale_ptr + rows, scale, mask=rows < R)
     else:  # pass 1: the row's absmax over finite elements (the second pass re-reads from L2)
         amax = tl.zeros((BLOCK_R,), tl.float32)
         for c0 in range(0, CP, BLOCK_C):
             t = finite_abs(_load_tile(x_ptr, h_ptr, rows, c0, R, C, stride_r, stride_c, BLOCK_C, BLOCK_C, HAD,
                                       INV_SQRT, BF16_DOT))  # inf and NaN do not set the scale
             amax = tl.maximum(amax, tl.max(t, axis=1))
+            if COL_MAX:  # and each column's, for the transposed copy: |x| orders as its bits (int atomics)
+                cols = c0 + tl.arange(0, BLOCK_C)
+                tl.atomic_max(colmax_ptr + cols, tl.max(t, axis=0).to(tl.int32, bitcast=True), mask=cols < C)
         scale = _absmax_scale(amax, FMAX)
         tl.store(scale_ptr + rows, scale, mask=rows < R)
     for c0 in range(0, CP, BLOCK_C):
         t = _load_tile(x_ptr, h_ptr, rows, c0, R, C, stride_r, stride_c, BLOCK_C, BLOCK_C, HAD, INV_SQRT,
                        BF16_DOT)
-        q = round_to_grid(tl.math.div_rn(t, tl.broadcast_to(scale[:, None], t.shape)), IS_INT, FMAX, MAN, EMIN, QMIN, QMAX)
+        y = tl.math.div_rn(t, tl.broadcast_to(scale[:, None], t.shape))
+        if ON_GPU and not IS_INT:  # the cast rounds to nearest even onto the grid itself; the clamp saturates
+            q = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)  # +-inf as round_to_grid does
+            q = q.to(out_ptr.dtype.element_ty)
+        elif ON_GPU:
+            q = round_to_grid(y, IS_INT, FMAX, MAN, EMIN, QMIN, QMAX).to(out_ptr.dtype.element_ty)
+        else:  # the interpreter's cast is wrong on carries and NaN (DESIGN.md section 7): round in fp32, NaN by hand
+            q = round_to_grid(y, IS_INT, FMAX, MAN, EMIN, QMIN, QMAX)
+            q = fp8_bits(q, CONTAINER_E4M3).to(out_ptr.dtype.element_ty, bitcast=True)
         cols = c0 + tl.arange(0, BLOCK_C)
         mask = (rows[:, None] < R) & (cols[None, :] < CP)
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * CP + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * CP + cols[None, :], q, mask=mask)
 
 
 def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block: int | None = None,
-                  cols: int | None = None, block_r: int = 32):
+                  cols: int | None = None, block_r: int = 32, col_max: torch.Tensor | None = None,
+                  from_max: bool = False):
     """Rows of 2-D ``x`` (any strides) -> (values (R, cols) fp8 contiguous, scale fp32 (R, 1) or 0-dim).
 
     Columns beyond x's are zero (padding for the GEMM). Same result as operands.quantize_operand_ref.
+    ``col_max`` (int32, one per column, zeros): the row pass also leaves each column's finite absmax there (as
+    fp32 bits); with ``from_max`` the rows' absmax is read from it instead (one pass; quantize_rows_and_cols).
     """
+    if (col_max is not None or from_max) and (granularity != "row" or hadamard_block):
+        raise ValueError("col_max: per-row scales without a Hadamard block only")
     fmt = get_format(fmt)
     R, C = x.shape
     cols = C if cols is None else cols
@@ -96,11 +117,25 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
     block_c = hadamard_block if had else min(128, triton.next_power_of_2(max(cols, 16)))
     h = hadamard_pm1(hadamard_block, x.device) if had else scale  # dummy pointer when unused
     _quant_rows_kernel[(triton.cdiv(R, block_r),)](
-        x, out, scale, h, R, C, cols, x.stride(0), x.stride(1),
+        x, out, scale, h, col_max if col_max is not None else scale, R, C, cols, x.stride(0), x.stride(1),
         IS_INT=is_int, FMAX=float(fmt.max), MAN=0 if is_int else fmt.man_bits,
         EMIN=0 if is_int else fmt.min_normal_exp, QMIN=fmt.qmin if is_int else 0, QMAX=fmt.qmax if is_int else 0,
         PER_TENSOR=granularity == "tensor", HAD=had, INV_SQRT=inv_sqrt(hadamard_block) if had else 1.0,
         # the interpreter's bf16 tl.dot returns garbage (triton 3.9); its fp32 'ieee' dot computes the same sums
         BF16_DOT=x.dtype == torch.bfloat16 and not interpreted(), BLOCK_R=block_r, BLOCK_C=block_c,
+        COL_MAX=col_max is not None and not from_max, SCALE_FROM_MAX=from_max, ON_GPU=not interpreted(),
+        CONTAINER_E4M3=out.dtype == torch.float8_e4m3fn,
     )
     return out, scale
+
+
+def quantize_rows_and_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int, col_cols: int):
+    """Rows of 2-D contiguous ``x`` and its columns (the transposed copy), per row and per column, in two passes
+    over x instead of three: the row kernel also takes each column's absmax (atomics), so the column kernel
+    knows its scales and quantizes in one pass (on its own it reads x twice, and x.t()'s strided tiles do not
+    stay in L2 between its passes). Returns ((values, scale) of the rows, (values, scale) of the columns), each
+    as quantize_rows gives them."""
+    col_max = torch.zeros(x.shape[1], device=x.device, dtype=torch.int32)  # |x| bits: 0 is +0.0
+    rows = quantize_rows(x, row_fmt, "row", None, row_cols, col_max=col_max)
+    cols = quantize_rows(x.t(), col_fmt, "row", None, col_cols, block_r=64, col_max=col_max, from_max=True)
+    return rows, cols

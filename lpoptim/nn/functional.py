@@ -17,7 +17,7 @@ from .fp4 import dge_derivative, occ_split, residual_matmul
 from .hadamard import pick_block
 from .native_fp4 import gemm_mxfp4, native_fp4_supported
 from .operands import (Operand, gemm, int8_split_operand, pow2_block_operand, pow2_block_scaled,
-                       quantize_operand)
+                       quantize_operand, quantize_operand_and_transpose)
 from .recipes import Recipe
 
 
@@ -34,12 +34,15 @@ def _save_x_for_dw(x2: torch.Tensor, r: Recipe) -> Operand:
 
 def _fp8_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, dx_dtype, dw_dtype):
     dx = dw = None
+    gq = gt = None
+    if need_dx and need_dw and r.granularity == "row":  # dy per row and per column: two passes over dy, not three
+        gq, gt = quantize_operand_and_transpose(g2, r.grad_fmt, r.grad_fmt)
     if need_dx:
-        gq = quantize_operand(g2, r.grad_fmt, r.granularity)          # (M, N)
+        gq = gq or quantize_operand(g2, r.grad_fmt, r.granularity)    # (M, N)
         wt = quantize_operand(w.t(), r.bwd_fmt, r.granularity)         # (K, N): W per input channel
         dx = gemm(gq, wt, dx_dtype)
     if need_dw:
-        gt = quantize_operand(g2.t(), r.grad_fmt, r.granularity)       # (N, M padded like xt)
+        gt = gt or quantize_operand(g2.t(), r.grad_fmt, r.granularity)  # (N, M padded like xt)
         dw = gemm(gt, xt, dw_dtype)
     return dx, dw
 
@@ -70,14 +73,23 @@ class _LowBitLinearFunction(torch.autograd.Function):
     def weight_grad_factor(w, r: Recipe) -> torch.Tensor | None:
         return None
 
+    @staticmethod
+    def forward_gemm_and_xt(ctx, x2, w, r: Recipe, out_dtype: torch.dtype):
+        """(y, xᵀ operand) where computing both at once pays; (y, None) leaves xᵀ to _save_x_for_dw."""
+        return None, None
+
     @classmethod
     def forward(cls, ctx, x, w, bias, r: Recipe, out_dtype: torch.dtype, grad_enabled: bool):
         x2 = _flat(x)
-        y = cls.forward_gemm(ctx, x2, w, r, out_dtype)
+        # grad mode is off inside forward: the caller says whether a backward can follow (no xᵀ under no_grad)
+        want_xt = grad_enabled and w.requires_grad
+        y, xt = cls.forward_gemm_and_xt(ctx, x2, w, r, out_dtype) if want_xt else (None, None)
+        if y is None:
+            y = cls.forward_gemm(ctx, x2, w, r, out_dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        # grad mode is off inside forward: the caller says whether a backward can follow (no xᵀ under no_grad)
-        xt = _save_x_for_dw(x2, r) if grad_enabled and w.requires_grad else None
+        if want_xt and xt is None:
+            xt = _save_x_for_dw(x2, r)
         ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.has_bias = r, x.shape, x.dtype, bias is not None
         ctx.save_for_backward(w, *((xt.values, xt.scale) if xt is not None else ()))
         return y.to(out_dtype).reshape(*x.shape[:-1], w.shape[0])
@@ -107,6 +119,13 @@ class Fp8LinearFunction(_LowBitLinearFunction):
     def forward_gemm(ctx, x2, w, r, out_dtype):
         return gemm(quantize_operand(x2, r.fwd_fmt, r.granularity), quantize_operand(w, r.fwd_fmt, r.granularity),
                     out_dtype)
+
+    @staticmethod
+    def forward_gemm_and_xt(ctx, x2, w, r, out_dtype):
+        if r.granularity != "row" or r.backward == "int4split":
+            return None, None
+        xq, xt = quantize_operand_and_transpose(x2, r.fwd_fmt, r.bwd_fmt)  # x per token and per in-feature
+        return gemm(xq, quantize_operand(w, r.fwd_fmt, r.granularity), out_dtype), xt
 
 
 class Fp4LinearFunction(_LowBitLinearFunction):
