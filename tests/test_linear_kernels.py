@@ -66,16 +66,16 @@ def test_kernel_rejects_bad_padding():
 def test_rows_and_cols_together_match_two_references(row_fmt, col_fmt, dtype):
     """One row pass leaves the column maxima (atomics), one column pass uses them: the same bits as quantizing
     x and x.t() on their own, non-finite values, zero rows and columns and padding included."""
-    x = _x(70, 37, False, dtype)
+    x = _x(600, 37, False, dtype)  # 600 tokens: the column pass splits them over two programs
     x[:, 5] = 0.0  # an all-zero column gets scale 1
     x[9, 11], x[20, 3] = float("inf"), float("nan")  # set no scale; saturate / stay NaN
-    (rv, rs), (cv, cs) = lq.quantize_rows_and_cols(x, lq.get_format(row_fmt), lq.get_format(col_fmt), 48, 80)
+    (rv, rs), (cv, cs) = lq.quantize_rows_and_cols(x, lq.get_format(row_fmt), lq.get_format(col_fmt), 48, 608)
     for (v, s), ref in (((rv, rs), quantize_operand_ref(x, row_fmt, "row", None, 48)),
-                        ((cv, cs), quantize_operand_ref(x.t(), col_fmt, "row", None, 80))):
+                        ((cv, cs), quantize_operand_ref(x.t(), col_fmt, "row", None, 608))):
         assert v.dtype == ref.values.dtype and v.shape == ref.values.shape and v.is_contiguous()
         assert torch.equal(v.float().nan_to_num(7.0), ref.values.float().nan_to_num(7.0))
         assert torch.equal(s, ref.scale)
-    assert cv.shape == (37, 80) and (cv.float()[:, 70:] == 0).all()
+    assert cv.shape == (37, 608) and (cv.float()[:, 600:] == 0).all()
 
 
 def test_operand_and_transpose_falls_back_to_the_reference_on_cpu():

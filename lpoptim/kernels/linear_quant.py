@@ -47,15 +47,21 @@ def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, R, C, CP, s
                        QMIN: tl.constexpr, QMAX: tl.constexpr, PER_TENSOR: tl.constexpr, HAD: tl.constexpr,
                        INV_SQRT: tl.constexpr, BF16_DOT: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCK_C: tl.constexpr, COL_MAX: tl.constexpr, SCALE_FROM_MAX: tl.constexpr,
-                       ON_GPU: tl.constexpr, CONTAINER_E4M3: tl.constexpr):
+                       ON_GPU: tl.constexpr, CONTAINER_E4M3: tl.constexpr, NATIVE: tl.constexpr,
+                       COLS_PER_PROGRAM: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    c_begin, c_end = 0, CP
+    if SCALE_FROM_MAX:  # scales known up front: one pass, and the columns split over a second grid axis
+        c_begin = tl.program_id(1) * COLS_PER_PROGRAM
+        c_end = tl.minimum(c_begin + COLS_PER_PROGRAM, CP)
     if PER_TENSOR:
         scale = tl.load(scale_ptr) + tl.zeros((BLOCK_R,), tl.float32)
     elif SCALE_FROM_MAX:  # the rows' absmax came with another pass (the column maxima of quantize_rows_and_cols)
         amax = tl.load(colmax_ptr + rows, mask=rows < R, other=0).to(tl.float32, bitcast=True)
         scale = _absmax_scale(amax, FMAX)
-        tl.store(scale_ptr + rows, scale, mask=rows < R)
+        if tl.program_id(1) == 0:
+            tl.store(scale_ptr + rows, scale, mask=rows < R)
     else:  # pass 1: the row's absmax over finite elements (the second pass re-reads from L2)
         amax = tl.zeros((BLOCK_R,), tl.float32)
         for c0 in range(0, CP, BLOCK_C):
@@ -67,11 +73,11 @@ def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, R, C, CP, s
                 tl.atomic_max(colmax_ptr + cols, tl.max(t, axis=0).to(tl.int32, bitcast=True), mask=cols < C)
         scale = _absmax_scale(amax, FMAX)
         tl.store(scale_ptr + rows, scale, mask=rows < R)
-    for c0 in range(0, CP, BLOCK_C):
+    for c0 in range(c_begin, c_end, BLOCK_C):
         t = _load_tile(x_ptr, h_ptr, rows, c0, R, C, stride_r, stride_c, BLOCK_C, BLOCK_C, HAD, INV_SQRT,
                        BF16_DOT)
         y = tl.math.div_rn(t, tl.broadcast_to(scale[:, None], t.shape))
-        if ON_GPU and not IS_INT:  # the cast rounds to nearest even onto the grid itself; the clamp saturates
+        if ON_GPU and NATIVE:  # E4M3 / E5M2 in their own dtype: the cast rounds to nearest even onto the grid
             q = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)  # +-inf as round_to_grid does
             q = q.to(out_ptr.dtype.element_ty)
         elif ON_GPU:
@@ -116,7 +122,11 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
     had = bool(hadamard_block)
     block_c = hadamard_block if had else min(128, triton.next_power_of_2(max(cols, 16)))
     h = hadamard_pm1(hadamard_block, x.device) if had else scale  # dummy pointer when unused
-    _quant_rows_kernel[(triton.cdiv(R, block_r),)](
+    # E4M3 and E5M2 are their container's own grid (E2M1 and INT4 live in E4M3 codes but round onto their own)
+    native = fmt.name in ("e4m3", "e5m2")
+    cols_per_program = 4 * block_c
+    grid = (triton.cdiv(R, block_r), triton.cdiv(cols, cols_per_program) if from_max else 1)
+    _quant_rows_kernel[grid](
         x, out, scale, h, col_max if col_max is not None else scale, R, C, cols, x.stride(0), x.stride(1),
         IS_INT=is_int, FMAX=float(fmt.max), MAN=0 if is_int else fmt.man_bits,
         EMIN=0 if is_int else fmt.min_normal_exp, QMIN=fmt.qmin if is_int else 0, QMAX=fmt.qmax if is_int else 0,
@@ -124,7 +134,7 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
         # the interpreter's bf16 tl.dot returns garbage (triton 3.9); its fp32 'ieee' dot computes the same sums
         BF16_DOT=x.dtype == torch.bfloat16 and not interpreted(), BLOCK_R=block_r, BLOCK_C=block_c,
         COL_MAX=col_max is not None and not from_max, SCALE_FROM_MAX=from_max, ON_GPU=not interpreted(),
-        CONTAINER_E4M3=out.dtype == torch.float8_e4m3fn,
+        CONTAINER_E4M3=out.dtype == torch.float8_e4m3fn, NATIVE=native, COLS_PER_PROGRAM=cols_per_program,
     )
     return out, scale
 
