@@ -1,0 +1,57 @@
+"""Tile shapes of the operand quantizer (lpoptim/kernels/linear_quant.py TUNING): achieved bandwidth per shape.
+
+    PYTHONPATH=$PWD python3 benchmarks/quant_tune.py
+
+Times quantize_rows per row ("rows") and the one-pass column quantizer with known scales ("from_max", as
+quantize_rows_and_cols runs it) on bf16 tensors of the fp8 linears' sizes (x: 16384 x 4096, dy: 16384 x 11008),
+CUDA events, median of 20; bandwidth counts x read once and the fp8 copy written.
+"""
+import itertools
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lpoptim.formats import E4M3  # noqa: E402
+from lpoptim.kernels import linear_quant as lq  # noqa: E402
+
+
+def ms_of(fn, iters=20):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def main():
+    saved = {k: dict(v) for k, v in lq.TUNING.items()}
+    for m, k in ((16384, 4096), (16384, 11008)):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        col_max = torch.zeros(k, device="cuda", dtype=torch.int32)
+        lq.quantize_rows(x, E4M3, "row", None, k, col_max=col_max)  # the column maxima the column pass reads
+        nbytes = x.numel() * 3
+        for mode, (br, bc, nw) in itertools.product(("rows", "from_max"), itertools.product((16, 32, 64), (128, 256, 512), (4, 8))):
+            if br * bc // (32 * nw) > 128:  # fp32 tile elements per thread: beyond this it spills
+                continue
+            lq.TUNING[mode] = dict(block_r=br, block_c=bc, num_warps=nw)
+            if mode == "rows":
+                fn = lambda: lq.quantize_rows(x, E4M3, "row", None, k)  # noqa: E731
+            else:
+                fn = lambda: lq.quantize_rows(x.t(), E4M3, "row", None, m, col_max=col_max, from_max=True)  # noqa: E731
+            ms = ms_of(fn)
+            print(f"{m}x{k} {mode:8s} block_r={br:3d} block_c={bc:3d} warps={nw}  {ms:7.3f} ms  {nbytes / ms / 1e6:6.0f} GB/s",
+                  flush=True)
+            lq.TUNING.update({k2: dict(v) for k2, v in saved.items()})
+
+
+if __name__ == "__main__":
+    main()
