@@ -148,6 +148,12 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
     return out, scale
 
 
+def quantize_cols_from_max(x: torch.Tensor, fmt, col_max: torch.Tensor, cols: int):
+    """The columns of ``x`` (output transposed), with the column maxima a row pass over x left in ``col_max``:
+    one pass (quantize_rows_and_cols' second half, for when the row pass came earlier: a weight's forward)."""
+    return quantize_rows(x.t(), fmt, "row", None, cols, col_max=col_max, from_max=True)
+
+
 def quantize_rows_and_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int, col_cols: int):
     """Rows of 2-D contiguous ``x`` and its columns (the transposed copy), per row and per column, in two passes
     over x instead of three: the row kernel also takes each column's absmax (atomics), so the column kernel
@@ -156,5 +162,4 @@ def quantize_rows_and_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int, col
     as quantize_rows gives them."""
     col_max = torch.zeros(x.shape[1], device=x.device, dtype=torch.int32)  # |x| bits: 0 is +0.0
     rows = quantize_rows(x, row_fmt, "row", None, row_cols, col_max=col_max)
-    cols = quantize_rows(x.t(), col_fmt, "row", None, col_cols, col_max=col_max, from_max=True)
-    return rows, cols
+    return rows, quantize_cols_from_max(x, col_fmt, col_max, col_cols)

@@ -17,7 +17,8 @@ from .fp4 import dge_derivative, occ_split, residual_matmul
 from .hadamard import pick_block
 from .native_fp4 import gemm_mxfp4, native_fp4_supported
 from .operands import (Operand, gemm, int8_split_operand, pow2_block_operand, pow2_block_scaled,
-                       quantize_operand, quantize_operand_and_transpose)
+                       quantize_operand, quantize_operand_and_transpose, quantize_operand_keep_col_max,
+                       quantize_transpose_from_max)
 from .recipes import Recipe
 
 
@@ -32,14 +33,15 @@ def _save_x_for_dw(x2: torch.Tensor, r: Recipe) -> Operand:
     return quantize_operand(x2.t(), r.bwd_fmt, r.granularity)
 
 
-def _fp8_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, dx_dtype, dw_dtype):
+def _fp8_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, dx_dtype, dw_dtype, w_col_max=None):
     dx = dw = None
     gq = gt = None
     if need_dx and need_dw and r.granularity == "row":  # dy per row and per column: two passes over dy, not three
         gq, gt = quantize_operand_and_transpose(g2, r.grad_fmt, r.grad_fmt)
     if need_dx:
         gq = gq or quantize_operand(g2, r.grad_fmt, r.granularity)    # (M, N)
-        wt = quantize_operand(w.t(), r.bwd_fmt, r.granularity)         # (K, N): W per input channel
+        wt = (quantize_transpose_from_max(w, r.bwd_fmt, w_col_max) if w_col_max is not None  # one pass
+              else quantize_operand(w.t(), r.bwd_fmt, r.granularity))  # (K, N): W per input channel
         dx = gemm(gq, wt, dx_dtype)
     if need_dw:
         gt = gt or quantize_operand(g2.t(), r.grad_fmt, r.granularity)  # (N, M padded like xt)
@@ -104,8 +106,9 @@ class _LowBitLinearFunction(torch.autograd.Function):
         with torch.autocast(gy.device.type, enabled=False):
             bwd = _int4split_backward if r.backward == "int4split" else _fp8_backward
             factor = cls.weight_grad_factor(w, r) if need_dw and xt is not None else None
+            extra = dict(w_col_max=ctx.w_col_max) if getattr(ctx, "w_col_max", None) is not None else {}
             dx, dw = bwd(g2, w, xt, r, need_dx, need_dw and xt is not None, ctx.x_dtype,
-                         w.dtype if factor is None else torch.float32)
+                         w.dtype if factor is None else torch.float32, **extra)
             if dw is not None:
                 dw = (dw if factor is None else dw * factor).to(w.dtype)
             if dx is not None:
@@ -125,7 +128,8 @@ class Fp8LinearFunction(_LowBitLinearFunction):
         if r.granularity != "row" or r.backward == "int4split":
             return None, None
         xq, xt = quantize_operand_and_transpose(x2, r.fwd_fmt, r.bwd_fmt)  # x per token and per in-feature
-        return gemm(xq, quantize_operand(w, r.fwd_fmt, r.granularity), out_dtype), xt
+        wq, ctx.w_col_max = quantize_operand_keep_col_max(w, r.fwd_fmt)  # W's columns: one pass in backward
+        return gemm(xq, wq, out_dtype), xt
 
 
 class Fp4LinearFunction(_LowBitLinearFunction):

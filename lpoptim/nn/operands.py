@@ -93,6 +93,27 @@ def quantize_operand_and_transpose(x: torch.Tensor, row_fmt, col_fmt, pad_to: in
     return quantize_operand(x, row_fmt, "row", None, pad_to), quantize_operand(x.t(), col_fmt, "row", None, pad_to)
 
 
+def quantize_operand_keep_col_max(x: torch.Tensor, fmt, pad_to: int = 16) -> tuple[Operand, torch.Tensor | None]:
+    """quantize_operand(x, fmt) per row, and on CUDA each column's absmax too (None on the CPU): what
+    quantize_transpose_from_max needs to quantize x's columns later in one pass (a weight: rows in the forward,
+    columns in the backward)."""
+    if not (use_kernels(x) and x.is_contiguous() and x.dim() == 2):
+        return quantize_operand(x, fmt, "row", None, pad_to), None
+    from ..kernels.linear_quant import quantize_rows
+    col_max = torch.zeros(x.shape[1], device=x.device, dtype=torch.int32)
+    values, scale = quantize_rows(x, get_format(fmt), "row", None, padded(x.shape[1], pad_to), col_max=col_max)
+    return Operand(values, scale), col_max
+
+
+def quantize_transpose_from_max(x: torch.Tensor, fmt, col_max: torch.Tensor | None, pad_to: int = 16) -> Operand:
+    """quantize_operand(x.t(), fmt) per row, in one pass when ``col_max`` (quantize_operand_keep_col_max) is
+    given. x must not have changed since: autograd's version check guards a saved weight."""
+    if col_max is None:
+        return quantize_operand(x.t(), fmt, "row", None, pad_to)
+    from ..kernels.linear_quant import quantize_cols_from_max
+    return Operand(*quantize_cols_from_max(x, get_format(fmt), col_max, padded(x.shape[0], pad_to)))
+
+
 def pow2_block_operand(x: torch.Tensor, block: int = 32, pad_to: int = 16) -> Operand:
     """FP4 with one power-of-two scale per ``block`` elements along the row, folded into E4M3 (reference, torch).
 
