@@ -6,7 +6,8 @@
 In one run it times lpoptim.AdamW, torch AdamW (fused and foreach) and, where installed, bitsandbytes AdamW8bit
 and torchao AdamWFp8 / AdamW8bit: CUDA events around each step after warm-up and a synchronize, the median of
 --steps steps (the step's host work is inside: the GPU waits for it), and the same steps queued back to back
-(one pair of events around all; the host prepares a step while the GPU runs the previous one, as in training),
+(events between them, median interval; the host prepares a step while the GPU runs the previous one, as in
+training),
 gradients redrawn (never zeros) and larger than L2. It prints state bytes per parameter, step ms, the first
 step's seconds (compilation included) and the ratio to the bandwidth floor: the bytes each step must move over
 the measured device-to-device copy bandwidth.
@@ -104,19 +105,20 @@ def time_optimizer(make, shapes, dtype, dev, steps: int, warmup: int):
         torch.cuda.synchronize()
         if i >= warmup:
             times.append(s.elapsed_time(e))
-    # back to back: `steps` steps queued without a synchronize between them, as in training, where the host
-    # prepares a step while the GPU still runs the previous work; one pair of events around all of them
+    # back to back: steps queued without a synchronize between them, as in training, where the host prepares a
+    # step while the GPU still runs the previous work; an event between consecutive steps, the median interval
     torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    marks[0].record()
     for i in range(steps):
         for p, g in zip(params, grad_sets[i % 2]):
             p.grad = g
         opt.step()
-    e.record()
+        marks[i + 1].record()
     torch.cuda.synchronize()
+    back_to_back = statistics.median(a.elapsed_time(b) for a, b in zip(marks, marks[1:]))
     n = sum(p.numel() for p in params)
-    result = dict(step_ms=statistics.median(times), back_to_back_ms=s.elapsed_time(e) / steps, first_step_s=first,
+    result = dict(step_ms=statistics.median(times), back_to_back_ms=back_to_back, first_step_s=first,
                   state_bytes_per_param=state_bytes_of(opt) / n, params=n,
                   finite=all(bool(torch.isfinite(p).all()) for p in params))
     del opt, params, grad_sets
