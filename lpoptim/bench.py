@@ -91,10 +91,10 @@ def stack_of(name: str) -> Stack:
     if name in STACKS:
         return STACKS[name]
     base, sep, pct = name.rpartition(SAC)
-    if sep and base in STACKS and pct.isdigit() and 0 < int(pct) <= 100:
+    if sep and base in STACKS and pct.isascii() and pct.isdigit() and 0 < int(pct) <= 100:
         stack = STACKS[base]
         return replace(stack, activation_budget=int(pct) / 100,
-                       label=f"{stack.label}, Inductor keeps {pct}% of activations (--compile)")
+                       label=f"{stack.label}, Inductor keeps {int(pct)}% of activations (--compile)")
     raise KeyError(f"unknown recipe {name!r}; choose from {','.join(STACKS)} (each may end in {SAC}NN, NN in 1..100, "
                    f"with --compile)")
 

@@ -412,3 +412,31 @@ def test_kernel_declines_empty_tensors():
 
     p = torch.zeros(4, 0)
     assert not adamw_step.supports(p, p, StateLayout(quantized=False))
+
+
+def test_cached_preparation_follows_reassigned_data_and_dropped_state():
+    """lpoptim.AdamW caches each parameter's layout and checks: a p.data of another shape must be caught as
+    before (not stepped against the old state), and a state dropped by the user must not be held by the cache."""
+    import gc
+    import weakref
+
+    import pytest
+
+    import lpoptim
+
+    a, b = torch.nn.Parameter(torch.randn(64, 256)), torch.nn.Parameter(torch.randn(64, 256))
+    opt = lpoptim.AdamW([a, b], lr=1e-3, min_quant_numel=1024)
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+    opt.step()
+    a.data = torch.randn(64, 512)
+    a.grad = torch.randn_like(a)
+    with pytest.raises(ValueError, match="other group options"):
+        opt.step()
+    a.data = torch.randn(64, 256)
+    a.grad = torch.randn_like(a)
+    old = weakref.ref(opt.state[b]["exp_avg"])
+    del opt.state[b]  # b is frozen from now on: its state must be freed
+    b.grad = None
+    opt.step()
+    gc.collect()
+    assert old() is None

@@ -209,3 +209,24 @@ def test_step_captured_in_a_cuda_graph_replays_as_eager_steps():
         sa, sb = oa.state[p], ob.state[q]
         assert float(sa["step"]) == float(sb["step"]) == 6  # 2 warm-up steps, 4 replays (the capture does not step)
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_kernel_decodes_by_the_stored_code_whatever_the_layout_says():
+    """A state saved with expansion on, stepped with it off (a checkpoint loaded into another setting): the
+    scales carry k codes, and decoding must use them, as the reference does."""
+    from lpoptim.optim.reference import encode_moment
+
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(8, 256, generator=gen)
+    m = torch.randn(8, 256, generator=gen) * torch.logspace(-4, 0, 256)
+    saved = StateLayout(True, expansion=True)
+    st = {"step": torch.tensor(5.0), **encode_moment("exp_avg", m, saved), **encode_moment("exp_avg_sq", m * m, saved)}
+    assert int(((st["exp_avg_scale"].view(torch.int32) & 255) > 0).sum()) > 0
+    layout = StateLayout(True, expansion=False)
+    g = torch.randn(8, 256, generator=gen) * 1e-3
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False)
+    pk, sk = p.clone(), {k: v.clone() for k, v in st.items()}
+    pr, sr = p.clone(), {k: v.clone() for k, v in st.items()}
+    kernel.fused_adamw_step([(pk, g, sk, layout)], **hyper)
+    reference_adamw_step(pr, g, sr, layout, **hyper)
+    _compare([pk], [pr], [sk], [sr], layout)

@@ -82,3 +82,13 @@ def test_sac_suffix_sets_inductors_budget(monkeypatch, tmp_path):
                  "--device", "cpu", "--out", str(tmp_path)]) == 0
     row = json.loads((tmp_path / "bench.json").read_text())["results"][0]
     assert "--compile" in row["skipped"] and row["activation_budget"] == 0.5
+
+
+def test_sac_suffix_takes_ascii_digits_only():
+    import pytest
+
+    from lpoptim import bench
+
+    with pytest.raises(KeyError):
+        bench.stack_of("bf16+sac\u00b2")  # '²'.isdigit() is True, int('²') is not
+    assert "70%" in bench.stack_of("bf16+sac070").label

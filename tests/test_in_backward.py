@@ -59,3 +59,20 @@ def test_dropping_model_and_optimizer_frees_them():
     del m, opt
     gc.collect()
     assert [r() for r in alive] == [None, None]
+
+
+def test_optimizer_dropped_while_hooked_raises_not_silently_stops():
+    """The hooks hold the optimizer weakly (above); the handle holds it strongly. With neither kept, backward
+    must say so instead of leaving the weights untouched."""
+    import gc
+
+    m, data = model_and_data()
+    handle = lpoptim.step_in_backward(lpoptim.AdamW(m.parameters(), lr=1e-2))
+    x, y = data[0]
+    before = [p.detach().clone() for p in m.parameters()]
+    (m(x) - y).pow(2).mean().backward()  # the handle keeps the optimizer: a step
+    assert any(not torch.equal(a, b) for a, b in zip(before, m.parameters()))
+    del handle
+    gc.collect()
+    with pytest.raises(RuntimeError, match="garbage-collected"):
+        (m(x) - y).pow(2).mean().backward()

@@ -86,3 +86,12 @@ def test_operand_and_transpose_falls_back_to_the_reference_on_cpu():
     ra, rb = quantize_operand_ref(x, "e4m3", "row", None, 48), quantize_operand_ref(x.t(), "e5m2", "row", None, 32)
     assert torch.equal(a.values.float(), ra.values.float()) and torch.equal(b.values.float(), rb.values.float())
     assert torch.equal(a.scale, ra.scale) and torch.equal(b.scale, rb.scale)
+
+
+def test_rows_and_cols_with_no_tokens_still_write_column_scales():
+    """An input with zero rows (an MoE expert that got no tokens): the column pass has zero columns to write but
+    must still set its scales (1, as for an all-zero row), not leave the empty allocation's garbage to dW."""
+    x = torch.zeros(0, 37)
+    (rv, rs), (cv, cs) = lq.quantize_rows_and_cols(x, lq.get_format("e4m3"), lq.get_format("e4m3"), 48, 0)
+    assert rv.shape == (0, 48) and cv.shape == (37, 0)
+    assert torch.equal(cs, torch.ones(37, 1))

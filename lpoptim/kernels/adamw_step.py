@@ -69,17 +69,18 @@ if HAVE_TRITON:
 
     @triton.jit
     def _decode(codes_ptr, scale_ptr, offs, mask, gid, gmask, IS_E4M3: tl.constexpr, INV_MAX: tl.constexpr,
-                QUANT: tl.constexpr, EXPANSION: tl.constexpr, ON_GPU: tl.constexpr):
+                QUANT: tl.constexpr, ON_GPU: tl.constexpr):
         """Moment values of a [BLOCK_G, G] tile; gid/gmask are [BLOCK_G, 1] (one scale per row of the tile)."""
         if not QUANT:  # small tensors keep plain fp32 moments
             return tl.load(codes_ptr.to(tl.pointer_type(tl.float32)) + offs, mask=mask, other=0.0)
         q = fp8_value(tl.load(codes_ptr + offs, mask=mask, other=0), IS_E4M3)
         c = tl.load(scale_ptr + gid, mask=gmask, other=0.0)
+        # t ** (1/k) by the code the scale holds, whatever the layout says now (a state saved with expansion on
+        # may be loaded or stepped with it off); t = 1 (the group's absmax) stays exactly 1: the scale cannot drift
         t = tl.abs(q) * INV_MAX
-        if EXPANSION:  # t ** (1/k); t = 1 (the group's absmax) stays exactly 1, so the scale cannot drift
-            code = c.to(tl.int32, bitcast=True) & K_MASK_C
-            inv_k = fast_rcp(_k_of(code), ON_GPU)  # once per group
-            t = tl.where(code > 0, fast_exp2(fast_log2(t, ON_GPU) * inv_k, ON_GPU), t)
+        code = c.to(tl.int32, bitcast=True) & K_MASK_C
+        inv_k = fast_rcp(_k_of(code), ON_GPU)  # once per group
+        t = tl.where(code > 0, fast_exp2(fast_log2(t, ON_GPU) * inv_k, ON_GPU), t)
         return with_sign_of(t * c, q)
 
     @triton.jit
@@ -192,8 +193,8 @@ if HAVE_TRITON:
             if MAXIMIZE:
                 g = -g
 
-            m = _decode(m_ptr, ms_ptr, offs, mask, gid, gmask, M_E4M3, M_INV, QUANT, EXPANSION, ON_GPU)
-            v = _decode(v_ptr, vs_ptr, offs, mask, gid, gmask, V_E4M3, V_INV, QUANT, EXPANSION, ON_GPU)
+            m = _decode(m_ptr, ms_ptr, offs, mask, gid, gmask, M_E4M3, M_INV, QUANT, ON_GPU)
+            v = _decode(v_ptr, vs_ptr, offs, mask, gid, gmask, V_E4M3, V_INV, QUANT, ON_GPU)
             if SQRT_V and QUANT:
                 v = v * v
             m = m + one_minus_beta1 * (g - m)  # torch's lerp for weights below 0.5
@@ -201,8 +202,7 @@ if HAVE_TRITON:
             sqrt_v = tl.sqrt(v)
             sqrt_v_used = sqrt_v
             if AMSGRAD:
-                v_max = _decode(vm_ptr, vms_ptr, offs, mask, gid, gmask, V_E4M3, V_INV, QUANT, EXPANSION,
-                                ON_GPU)
+                v_max = _decode(vm_ptr, vms_ptr, offs, mask, gid, gmask, V_E4M3, V_INV, QUANT, ON_GPU)
                 if SQRT_V and QUANT:
                     sqrt_v_used = tl.maximum(v_max, sqrt_v)
                     v_max = sqrt_v_used

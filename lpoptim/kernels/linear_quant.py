@@ -133,7 +133,8 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
     # E4M3 and E5M2 are their container's own grid (E2M1 and INT4 live in E4M3 codes but round onto their own)
     native = fmt.name in ("e4m3", "e5m2")
     cols_per_program = 4 * block_c
-    grid = (triton.cdiv(R, block_r), triton.cdiv(cols, cols_per_program) if from_max else 1)
+    # at least one column program: the one with program_id(1) == 0 writes the scales, even for zero columns
+    grid = (triton.cdiv(R, block_r), max(1, triton.cdiv(cols, cols_per_program)) if from_max else 1)
     _quant_rows_kernel[grid](
         x, out, scale, h, col_max if col_max is not None else scale, R, C, cols, x.stride(0), x.stride(1),
         IS_INT=is_int, FMAX=float(fmt.max), MAN=0 if is_int else fmt.man_bits,

@@ -127,7 +127,7 @@ class AdamW(Optimizer):
                      weight_decay=group["weight_decay"], amsgrad=group["amsgrad"], maximize=group["maximize"])
         salts = self._salts() if group["bf16_stochastic_round"] else None
         options = tuple(group[k] for k in _PREPARED_BY)
-        prepared = self.__dict__.setdefault("_prepared", {})
+        prepared = self._prepared_cache()
         fused_batch, fused_salts = [], []
         for p in params:
             grad = p.grad
@@ -138,7 +138,7 @@ class AdamW(Optimizer):
             prep = prepared.get(p)
             # what a parameter needs besides its gradient, worked out once: a step's host time is per parameter
             if (prep is None or prep.options != options or prep.state is not self.state.get(p) or not prep.state
-                    or prep.dtensor):
+                    or prep.dtensor or prep.tensor_key != (p.shape, p.dtype, p.device)):  # p.data reassigned
                 prep = prepared[p] = self._prepare(p, group, options)
                 if prep.empty_shard:  # an empty shard (uneven FSDP2 sharding): only the step count moves
                     prep.local_state["step"].add_(1.0 if found_inf is None else (found_inf.to(prep.param.device) == 0).float())
@@ -158,6 +158,16 @@ class AdamW(Optimizer):
         if fused_batch:
             kernel.fused_adamw_step(fused_batch, grad_scale=grad_scale, found_inf=found_inf,
                                     sr_salts=fused_salts if salts else None, **hyper)
+
+    def _prepared_cache(self) -> dict:
+        """The per-parameter preparations; entries whose state was dropped or replaced are swept out when the
+        state dict shrank or was replaced (load_state_dict), so a frozen parameter's old state is not held."""
+        prepared = self.__dict__.setdefault("_prepared", {})
+        if prepared and (len(prepared) > len(self.state) or self.__dict__.get("_prepared_for") != id(self.state)):
+            for p in [p for p, prep in prepared.items() if self.state.get(p) is not prep.state]:
+                del prepared[p]
+        self._prepared_for = id(self.state)
+        return prepared
 
     def _prepare(self, p, group: dict, options: tuple) -> _Prepared:
         """Layout, state (made on first use, checked against the group's options), local views and whether the
@@ -181,7 +191,7 @@ class AdamW(Optimizer):
         # the gradient's own checks (dtype, contiguity) are made every step
         fusable = (group["fused"] is not False and param.device.type == "cuda"
                    and kernel.supports(param, param, layout))
-        return _Prepared(options, state, param, local_state, layout, dtensor, empty, fusable)
+        return _Prepared(options, state, param, local_state, layout, dtensor, empty, fusable, (p.shape, p.dtype, p.device))
 
     def _salts(self) -> dict:
         """Each parameter's index over all groups: its stochastic-rounding salt (stable across save and load)."""
@@ -274,6 +284,7 @@ class _Prepared:
     dtensor: bool
     empty_shard: bool
     fusable: bool  # the kernel can step it, given a gradient of its dtype and contiguous
+    tensor_key: tuple  # the parameter's (shape, dtype, device) when prepared: a p.data with others re-prepares
 
 
 def _check_group(group: dict) -> None:

@@ -22,8 +22,9 @@ import torch
 
 
 class InBackwardHandle:
-    def __init__(self, hooks):
+    def __init__(self, hooks, optimizer):
         self._hooks = hooks
+        self.optimizer = optimizer  # held here, strongly: the hooks only hold it weakly
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -42,7 +43,8 @@ def step_in_backward(optimizer, bucket_mb: float = 128) -> InBackwardHandle:
         raise ValueError(f"bucket_mb must be >= 0, got {bucket_mb}")
     limit = bucket_mb * 2**20
     # the hooks live on the parameters (held by C++, out of the garbage collector's sight), so they hold the
-    # optimizer only weakly: a strong reference would keep model and optimizer alive after the user drops them
+    # optimizer only weakly: a strong reference would keep model and optimizer alive after the user drops them.
+    # The handle holds it strongly, so keeping either the optimizer or the handle keeps training going.
     opt_ref = weakref.ref(optimizer)
     pending: dict[int, list] = {}  # group index -> params waiting
     state = {"bytes": 0, "flush_queued": False}
@@ -63,8 +65,10 @@ def step_in_backward(optimizer, bucket_mb: float = 128) -> InBackwardHandle:
 
     def make_hook(index: int):
         def hook(p: torch.Tensor) -> None:
-            if opt_ref() is None:  # the optimizer is gone: gradients accumulate as without the hooks
-                return
+            if opt_ref() is None:  # never silently stop training: the user dropped what steps the parameters
+                raise RuntimeError("lpoptim.step_in_backward: the optimizer was garbage-collected while its hooks "
+                                   "are registered; keep a reference to it (or to the handle step_in_backward "
+                                   "returned), or call handle.remove()")
             pending.setdefault(index, []).append(p)
             state["bytes"] += p.grad.numel() * p.grad.element_size()
             if state["bytes"] >= limit:
@@ -76,4 +80,4 @@ def step_in_backward(optimizer, bucket_mb: float = 128) -> InBackwardHandle:
 
     hooks = [p.register_post_accumulate_grad_hook(make_hook(index))
              for index, group in enumerate(optimizer.param_groups) for p in group["params"]]
-    return InBackwardHandle(hooks)
+    return InBackwardHandle(hooks, optimizer)
