@@ -117,15 +117,6 @@ def _measure(blocks, forward, iters, repeats) -> dict[str, tuple[float, float]]:
 _COPIES = ("aten.copy_.default", "aten.clone.default", "aten._to_copy.default", "aten.contiguous.default")
 
 
-def _contiguous(shape, stride) -> bool:
-    expect = 1
-    for size, st in reversed(list(zip(shape, stride))):
-        if size != 1 and st != expect:
-            return False
-        expect *= size
-    return True
-
-
 class _CountOps(TorchDispatchMode):
     """Counts the torch ops that reach the dispatcher, and among them the copies with a non-contiguous operand
     (on CUDA the slow, non-vectorized elementwise_kernel<128,4>), except while ``paused`` (inside the codec,
@@ -151,8 +142,7 @@ def _count(forward, n_blocks) -> dict[str, float]:
     mode = [None]
     real_pack = hooks.pack
     cls = codec.PackedActivation
-    decode_name = "decode" if hasattr(cls, "decode") else "unpack"  # before the decode memo, unpack decoded
-    real_decode = getattr(cls, decode_name)
+    real_decode = cls.decode
 
     def counted(name, fn, strided):
         def run(*a, **k):
@@ -167,7 +157,7 @@ def _count(forward, n_blocks) -> dict[str, float]:
         return run
 
     hooks.pack = counted("pack", real_pack, lambda t: not t.is_contiguous())
-    setattr(cls, decode_name, counted("decode", real_decode, lambda p: not _contiguous(p.shape, p.stride)))
+    cls.decode = counted("decode", real_decode, lambda p: not p.contiguous)
     try:
         with _CountOps() as fwd:
             mode[0] = fwd
@@ -177,7 +167,7 @@ def _count(forward, n_blocks) -> dict[str, float]:
             loss.backward()
     finally:
         hooks.pack = real_pack
-        setattr(cls, decode_name, real_decode)
+        cls.decode = real_decode
     return {"fwd ops": fwd.n / n_blocks, "bwd ops": bwd.n / n_blocks, "packs": calls["pack"] / n_blocks,
             "decodes": calls["decode"] / n_blocks,
             "strided": (fwd.strided + bwd.strided + calls["strided"]) / n_blocks}

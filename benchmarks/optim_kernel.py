@@ -5,13 +5,13 @@
 Times kernel.fused_adamw_step alone (CUDA events, median) for launch settings and for the fp32-state path,
 which moves more bytes but does no FP8 work: the gap between the two is the cost of the quantization math.
 """
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.linear import timer  # noqa: E402
 from benchmarks.optim_step import copy_bandwidth, llama_1b_shapes  # noqa: E402
 from lpoptim.kernels import adamw_step as kernel  # noqa: E402
 from lpoptim.optim.state import StateLayout, init_state  # noqa: E402
@@ -19,17 +19,7 @@ from lpoptim.optim.state import StateLayout, init_state  # noqa: E402
 
 def bench(batch, steps=10):
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, amsgrad=False, maximize=False)
-    kernel.fused_adamw_step(batch, **hyper)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        kernel.fused_adamw_step(batch, **hyper)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    return timer(lambda: kernel.fused_adamw_step(batch, **hyper), 1, steps, cuda=True)
 
 
 def main():
@@ -37,6 +27,7 @@ def main():
     n = sum(a * b for a, b in shapes)
     bw = copy_bandwidth("cuda")
     print(f"{torch.cuda.get_device_name()}  {n / 1e9:.3f} B params  copy {bw / 1e12:.2f} TB/s")
+    defaults = dict(kernel.TUNING)
     for dtype in (torch.float32, torch.bfloat16):
         params = [torch.randn(s, device="cuda", dtype=dtype) * 0.02 for s in shapes]
         grads = [torch.randn(s, device="cuda", dtype=dtype) * 1e-3 for s in shapes]
@@ -56,22 +47,12 @@ def main():
             del states, batch
         # the whole optimizer on the same tensors: what the step costs beyond the kernel
         import lpoptim
-        kernel.TUNING.update(block_groups=1, num_warps=1, loop=8)
+        kernel.TUNING.update(defaults)  # the shipped launch settings (the sweep above changed them)
         ps = [torch.nn.Parameter(p) for p in params]
         for p, g in zip(ps, grads):
             p.grad = g
         opt = lpoptim.AdamW(ps, lr=1e-3, weight_decay=0.1)
-        opt.step()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(10):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            opt.step()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-        print(f"{str(dtype):15s} lpoptim.AdamW.step {statistics.median(times):7.2f} ms", flush=True)
+        print(f"{str(dtype):15s} lpoptim.AdamW.step {timer(opt.step, 1, 10, cuda=True):7.2f} ms", flush=True)
         del params, grads, ps, opt
         torch.cuda.empty_cache()
 

@@ -7,29 +7,15 @@ quantize_rows_and_cols runs it) on bf16 tensors of the fp8 linears' sizes (x: 16
 CUDA events, median of 20; bandwidth counts x read once and the fp8 copy written.
 """
 import itertools
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.linear import timer  # noqa: E402
 from lpoptim.formats import E4M3  # noqa: E402
 from lpoptim.kernels import linear_quant as lq  # noqa: E402
-
-
-def ms_of(fn, iters=20):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
 
 
 def main():
@@ -47,7 +33,7 @@ def main():
                 fn = lambda: lq.quantize_rows(x, E4M3, "row", None, k)  # noqa: E731
             else:
                 fn = lambda: lq.quantize_rows(x.t(), E4M3, "row", None, m, col_max=col_max, from_max=True)  # noqa: E731
-            ms = ms_of(fn)
+            ms = timer(fn, 1, 20, cuda=True)
             print(f"{m}x{k} {mode:8s} block_r={br:3d} block_c={bc:3d} warps={nw}  {ms:7.3f} ms  {nbytes / ms / 1e6:6.0f} GB/s",
                   flush=True)
             lq.TUNING.update({k2: dict(v) for k2, v in saved.items()})

@@ -69,10 +69,6 @@ STACKS = {
                                      label="lpoptim.AdamW bf16 SR, step in backward, FP8 act., chunked head+loss"),
     "lpoptim-bf16+fp8+act+bwd+ce": Stack("lpoptim", "fp8", True, in_backward=True, master="bf16", chunked_loss=True,
                                          label="lpoptim.AdamW bf16 SR, step in bwd, fp8 linears, FP8 act., chunked loss"),
-    "lpoptim-bf16+bwd+ce+sac70": Stack("lpoptim", in_backward=True, master="bf16", chunked_loss=True,
-                                       activation_budget=0.7,
-                                       label="lpoptim.AdamW bf16 SR, step in bwd, chunked loss, Inductor keeps 70% of "
-                                             "activations (--compile)"),
     "lpoptim-bf16+rec+bwd+ce": Stack("lpoptim", compress=True, in_backward=True, master="bf16", chunked_loss=True,
                                      recompute=True,
                                      label="lpoptim.AdamW bf16 SR, step in bwd, FP8 block inputs + recompute, chunked loss"),
@@ -108,16 +104,16 @@ PARTS = ("params", "grads", "states", "activations")
 
 def unavailable(name: str, device: str, compile_blocks: bool = False) -> str | None:
     """Why stack ``name`` cannot run here (None: it can)."""
-    if stack_of(name).activation_budget is not None and not compile_blocks:
+    stack = stack_of(name)
+    if stack.activation_budget is not None and not compile_blocks:
         return f"{SAC}NN is a budget for Inductor's partitioner: it needs --compile"
-    name = name.rpartition(SAC)[0] if SAC in name else name
-    if name == "bnb":
+    if stack.optimizer == "bnb":
         try:
             import bitsandbytes  # noqa: F401
         except Exception as e:  # noqa: BLE001  (ImportError, or a broken CUDA setup)
             return f"bitsandbytes not importable ({type(e).__name__}: {e})"
         return None if device == "cuda" else "bitsandbytes AdamW8bit needs CUDA"
-    if name == "torchao":
+    if stack.optimizer == "torchao":
         try:
             from torchao.float8 import convert_to_float8_training  # noqa: F401
             from torchao.optim import AdamWFp8  # noqa: F401

@@ -207,8 +207,7 @@ def expand_to_max(t: torch.Tensor, code: torch.Tensor, fmt: FloatFormat) -> torc
     """fmt.max * t ** k, in the kernel's order: 2^(k log2 t + log2 fmt.max), one rounding for the exponent
     (log2 t is small for the values that matter, so the exponent keeps its precision). Every code takes it, k = 1
     too: within an ulp of t * fmt.max."""
-    log2_max = torch.tensor(math.log2(fmt.max), dtype=torch.float32).item()  # the kernel's fp32 constant
-    return torch.exp2(fma(torch.log2(t), k_of(code), log2_max))
+    return torch.exp2(fma(torch.log2(t), k_of(code), log2_max(fmt)))
 
 
 def compress(t: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
@@ -223,6 +222,12 @@ def group_stats(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = torch.where(finite, a, torch.zeros_like(a)).amax(dim=-1)
     amin = torch.where(finite & (a > 0), a, torch.full_like(a, float("inf"))).amin(dim=-1)
     return amax, amin
+
+
+@functools.cache
+def log2_max(fmt: FloatFormat) -> float:
+    """log2(fmt.max) rounded to fp32: the encoder's constant (reference and kernel)."""
+    return torch.tensor(math.log2(fmt.max), dtype=torch.float32).item()
 
 
 @functools.cache

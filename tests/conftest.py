@@ -15,3 +15,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def interpreter_friendly_tiles():
+    """The fused AdamW kernel's launch settings for the interpreter, which pays per program: on the CPU a few
+    large tiles (the GPU keeps its tuned ones); restored afterwards."""
+    from lpoptim.kernels import adamw_step as kernel
+
+    saved = dict(kernel.TUNING)
+    if not torch.cuda.is_available():
+        kernel.TUNING.update(block_groups=16, num_warps=4, loop=1)
+    yield
+    kernel.TUNING.clear()
+    kernel.TUNING.update(saved)

@@ -17,14 +17,8 @@ SHAPES = [(48, 256), (5, 200), (1000,), (3, 7, 130), (16, 128)]
 
 
 @pytest.fixture(autouse=True)
-def _interpreter_friendly_tiles():
-    """The interpreter pays per program: on the CPU use a few large tiles (the GPU keeps its tuned ones)."""
-    saved = dict(kernel.TUNING)
-    if not torch.cuda.is_available():
-        kernel.TUNING.update(block_groups=16, num_warps=4, loop=1)
+def _tiles(interpreter_friendly_tiles):  # conftest.py
     yield
-    kernel.TUNING.clear()
-    kernel.TUNING.update(saved)
 
 
 def _run(device, dtype, steps=3, amsgrad=False, maximize=False, lr=1e-2, layout=None, grad_scale=None, found_inf=None):
@@ -230,3 +224,21 @@ def test_kernel_decodes_by_the_stored_code_whatever_the_layout_says():
     kernel.fused_adamw_step([(pk, g, sk, layout)], **hyper)
     reference_adamw_step(pr, g, sr, layout, **hyper)
     _compare([pk], [pr], [sk], [sr], layout)
+
+
+def test_nan_moment_stays_nan_on_the_next_step():
+    """A NaN code written at one step is read back as NaN at the next (the interpreter's fp8 cast reads E4M3's
+    NaN code as 480: decoded by hand there), as the reference does."""
+    layout = StateLayout(quantized=True)
+    p = torch.randn(4, 256)
+    pr, s, sr = p.clone(), init_state(p, layout, False), init_state(p, layout, False)
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False)
+    for step in range(2):
+        g = torch.randn(4, 256) * 1e-3
+        if step == 0:
+            g[1, 5] = float("nan")
+        kernel.fused_adamw_step([(p, g, s, layout)], **hyper)
+        reference_adamw_step(pr, g, sr, layout, **hyper)
+    m, mr = load_moment(s, "exp_avg", layout), load_moment(sr, "exp_avg", layout)
+    assert torch.isnan(mr[1, 5]) and torch.isnan(m[1, 5])
+    assert torch.equal(torch.isnan(m), torch.isnan(mr))

@@ -66,10 +66,7 @@ def _sr_run(dtype_steps=3):
     return params, ref, nearest
 
 
-def test_kernel_rounds_as_the_reference_interpreter(monkeypatch):
-    if not torch.cuda.is_available():
-        monkeypatch.setitem(kernel.TUNING, "block_groups", 16)
-        monkeypatch.setitem(kernel.TUNING, "loop", 1)
+def test_kernel_rounds_as_the_reference_interpreter(interpreter_friendly_tiles):
     params, ref, nearest = _sr_run()
     for p, r, n in zip(params, ref, nearest):
         assert (p != n).float().mean() > 0.2  # stochastic rounding did happen

@@ -18,12 +18,14 @@ shape as the input. Scales are fp32: (R, ceil(N/G)) for groups of G, (R,) for ro
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from ..quant import rows_of
-from .grid import absmax_scale, finite_abs, fp8_bits, round_to_grid
+from .grid import absmax_scale, finite_abs, fp8_bits, fp8_value, interpreted, round_to_grid, store_as
 
 
 
@@ -77,13 +79,12 @@ def _quant_rows_kernel(x_ptr, codes_ptr, scale_ptr, N, HAS_SCALE: tl.constexpr, 
 
 @triton.jit
 def _dequant_kernel(codes_ptr, scale_ptr, out_ptr, numel, N, NG,
-                    G: tl.constexpr, MODE: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+                    G: tl.constexpr, MODE: tl.constexpr, ON_GPU: tl.constexpr, BLOCK: tl.constexpr):
     # MODE 0: groups of G along rows of N (NG groups a row); 1: one scale a row; 2: one scale.
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     c = tl.load(codes_ptr + offs, mask=mask, other=0)
-    v = c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    v = tl.where((c & 0x7F) == 0x7F, float("nan"), v)  # NaN codes decoded by hand (the interpreter errs)
+    v = fp8_value(c, True, ON_GPU)
     if MODE == 0:
         s_idx = (offs // N) * NG + (offs % N) // G
     elif MODE == 1:
@@ -91,30 +92,21 @@ def _dequant_kernel(codes_ptr, scale_ptr, out_ptr, numel, N, NG,
     else:
         s_idx = offs * 0
     s = tl.load(scale_ptr + s_idx, mask=mask, other=1.0)
-    y = v * s
-    if OUT_BF16:
-        # Round to bf16 by hand (nearest, ties even) so that the cast below is exact: the interpreter's
-        # fp32->bf16 cast truncates. On the GPU this is the same rounding the cast would do.
-        bits = y.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        y = tl.where(y != y, y, bits.to(tl.float32, bitcast=True))
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    store_as(out_ptr + offs, v * s, mask, out_ptr.dtype.element_ty, ON_GPU)  # round to nearest even everywhere
 
 
 # The wrappers below run on every pack and unpack of a saved activation, on the host thread that launches the
 # GPU's kernels: they build nothing per call that can be built once (the launch parameters depend on the group size
 # and the granularity only).
 _MODES = {"group": 0, "row": 1, "tensor": 2}
-_GROUP_BLOCKS: dict[int, tuple[int, int]] = {}
+_ON_GPU = not interpreted()  # read once: the wrappers run per saved tensor
 
 
+@functools.cache
 def _group_blocks(group_size: int) -> tuple[int, int]:
     """(GP: group_size rounded up to a power of 2, BLOCK_G: groups per program, ~1024 elements)."""
-    blocks = _GROUP_BLOCKS.get(group_size)
-    if blocks is None:
-        gp = triton.next_power_of_2(group_size)
-        blocks = _GROUP_BLOCKS[group_size] = (gp, max(1, 1024 // gp))
-    return blocks
+    gp = triton.next_power_of_2(group_size)
+    return gp, max(1, 1024 // gp)
 
 
 def quantize_groups(x: torch.Tensor, group_size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,5 +147,5 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, granularity: str, grou
         block = 1024
         _dequant_kernel[(-(-numel // block),)](codes, scales, out, numel, n, -(-n // group_size),
                                                G=group_size, MODE=_MODES[granularity],
-                                               OUT_BF16=dtype == torch.bfloat16, BLOCK=block)
+                                               ON_GPU=_ON_GPU, BLOCK=block)
     return out

@@ -28,14 +28,15 @@ try:
     import triton
     import triton.language as tl
 
-    from .grid import (fast_exp2, fast_log2, fast_rcp, fp8_bits, fp8_cast_bits, fp8_value, grid_magnitude, interpreted,
+    from .grid import (fast_exp2, fast_log2, fast_rcp, finite_abs, fp8_bits, fp8_cast_bits, fp8_value, grid_magnitude,
+                       interpreted,
                        hash32, round_bf16_stochastic, store_as, with_sign_of)
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - triton is a dependency, but keep the reference usable without it
     HAVE_TRITON = False
 
 from ..formats import get_format
-from ..quant import K_MASK, K_SLACK, K_STEPS, expansion_floor, inv_max
+from ..quant import K_MASK, K_SLACK, K_STEPS, expansion_floor, inv_max, log2_max
 
 # the address table's columns: param, grad, then (codes, scale) of exp_avg, exp_avg_sq, max_exp_avg_sq
 N_PTRS = 8
@@ -73,7 +74,7 @@ if HAVE_TRITON:
         """Moment values of a [BLOCK_G, G] tile; gid/gmask are [BLOCK_G, 1] (one scale per row of the tile)."""
         if not QUANT:  # small tensors keep plain fp32 moments
             return tl.load(codes_ptr.to(tl.pointer_type(tl.float32)) + offs, mask=mask, other=0.0)
-        q = fp8_value(tl.load(codes_ptr + offs, mask=mask, other=0), IS_E4M3)
+        q = fp8_value(tl.load(codes_ptr + offs, mask=mask, other=0), IS_E4M3, ON_GPU)
         c = tl.load(scale_ptr + gid, mask=gmask, other=0.0)
         # t ** (1/k) by the code the scale holds, whatever the layout says now (a state saved with expansion on
         # may be loaded or stepped with it off); t = 1 (the group's absmax) stays exactly 1: the scale cannot drift
@@ -92,7 +93,7 @@ if HAVE_TRITON:
             return
         # masked-out lanes hold 0 (their loads' `other`), which neither statistic counts
         a = tl.abs(x)
-        finite = tl.where(a < float("inf"), a, 0.0)  # NaN compares false
+        finite = finite_abs(x)
         # magnitudes order as their bits do: integer reductions (one redux.sync per warp on the GPU, not shuffles)
         amax = tl.max(finite.to(tl.int32, bitcast=True), axis=1, keep_dims=True).to(tl.float32, bitcast=True)
         code = tl.zeros_like(amax).to(tl.int32)
@@ -310,7 +311,7 @@ def _format_args(name: str, prefix: str) -> dict:
     fmt = get_format(name)
     return {f"{prefix}_E4M3": fmt.name == "e4m3", f"{prefix}_MAN": fmt.man_bits, f"{prefix}_MINEXP": fmt.min_normal_exp,
             f"{prefix}_MAX": fmt.max, f"{prefix}_SPAN": math.log2(fmt.max / expansion_floor(fmt)),
-            f"{prefix}_INV": inv_max(fmt), f"{prefix}_LOG2": math.log2(fmt.max)}
+            f"{prefix}_INV": inv_max(fmt), f"{prefix}_LOG2": log2_max(fmt)}
 
 
 def fused_adamw_step(batch, *, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, grad_scale=None, found_inf=None,

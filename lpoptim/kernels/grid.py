@@ -88,12 +88,18 @@ def finite_abs(x):
 
 
 @triton.jit
-def fp8_value(b, IS_E4M3: tl.constexpr):
-    """uint8 fp8 bit patterns -> fp32."""
+def fp8_value(b, IS_E4M3: tl.constexpr, ON_GPU: tl.constexpr):
+    """uint8 fp8 bit patterns -> fp32. The interpreter decodes NaN codes as numbers (E4M3 0x7F as 480), so
+    there they are decoded by hand; the GPU's cast gets them right."""
     if IS_E4M3:
-        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        v = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if not ON_GPU:
+            v = tl.where((b & 0x7F) == 0x7F, float("nan"), v)
     else:
-        return b.to(tl.float8e5, bitcast=True).to(tl.float32)
+        v = b.to(tl.float8e5, bitcast=True).to(tl.float32)
+        if not ON_GPU:
+            v = tl.where((b & 0x7F) > 0x7C, float("nan"), v)
+    return v
 
 
 @triton.jit

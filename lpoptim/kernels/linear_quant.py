@@ -97,7 +97,7 @@ TUNING = {"rows": dict(block_r=16, block_c=256, num_warps=4), "from_max": dict(b
 
 
 def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block: int | None = None,
-                  cols: int | None = None, block_r: int | None = None, col_max: torch.Tensor | None = None,
+                  cols: int | None = None, col_max: torch.Tensor | None = None,
                   from_max: bool = False):
     """Rows of 2-D ``x`` (any strides) -> (values (R, cols) fp8 contiguous, scale fp32 (R, 1) or 0-dim).
 
@@ -127,7 +127,7 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
     is_int = isinstance(fmt, IntFormat)
     had = bool(hadamard_block)
     tune = TUNING["from_max" if from_max else "rows"]
-    block_r = block_r or (32 if had else tune["block_r"])  # the Hadamard's tl.dot: 32-row tiles (16 measured slower)
+    block_r = 32 if had else tune["block_r"]  # the Hadamard's tl.dot: 32-row tiles (16 measured slower)
     block_c = hadamard_block if had else min(tune["block_c"], triton.next_power_of_2(max(cols, 16)))
     h = hadamard_pm1(hadamard_block, x.device) if had else scale  # dummy pointer when unused
     # E4M3 and E5M2 are their container's own grid (E2M1 and INT4 live in E4M3 codes but round onto their own)

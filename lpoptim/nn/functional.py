@@ -49,8 +49,10 @@ def _fp8_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, d
     return dx, dw
 
 
-def _int4split_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, dx_dtype, dw_dtype):
-    """dy as INT8 (after a Hadamard along the contraction dim) split into two INT4 halves, the other operand INT4."""
+def _int4split_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, dx_dtype, dw_dtype,
+                        w_col_max=None):
+    """dy as INT8 (after a Hadamard along the contraction dim) split into two INT4 halves, the other operand INT4.
+    ``w_col_max`` is the fp8 backward's (W's columns in one pass); the INT4 weight here is Hadamard-mixed first."""
     dx = dw = None
     if need_dx:
         b = pick_block(w.shape[0], r.hadamard_block)
@@ -106,9 +108,8 @@ class _LowBitLinearFunction(torch.autograd.Function):
         with torch.autocast(gy.device.type, enabled=False):
             bwd = _int4split_backward if r.backward == "int4split" else _fp8_backward
             factor = cls.weight_grad_factor(w, r) if need_dw and xt is not None else None
-            extra = dict(w_col_max=ctx.w_col_max) if getattr(ctx, "w_col_max", None) is not None else {}
             dx, dw = bwd(g2, w, xt, r, need_dx, need_dw and xt is not None, ctx.x_dtype,
-                         w.dtype if factor is None else torch.float32, **extra)
+                         w.dtype if factor is None else torch.float32, getattr(ctx, "w_col_max", None))
             if dw is not None:
                 dw = (dw if factor is None else dw * factor).to(w.dtype)
             if dx is not None:

@@ -141,9 +141,8 @@ def pow2_block_scaled(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     x = x.float()
     cols = padded(shape[-1], block)
     g = to_groups(F.pad(x, (0, cols - shape[-1])), block)
-    mant, ex = torch.frexp(g.abs().amax(-1) / E2M1.max)
-    e = torch.where(mant > 0.5, ex, ex - 1).clamp(min=-126)
-    return from_groups(g / torch.ldexp(torch.ones_like(mant), e).unsqueeze(-1), (shape[0], cols))[:, : shape[-1]]
+    e = pow2_block_exponent(finite_absmax(g, dim=-1), E2M1.max, emin=-126)  # pow2_block_operand's scales
+    return from_groups(g / torch.ldexp(torch.ones_like(g[..., 0]), e).unsqueeze(-1), (shape[0], cols))[:, : shape[-1]]
 
 
 def split_int8(op: Operand) -> tuple[Operand, Operand]:

@@ -9,6 +9,7 @@ import torch
 from torch.optim import Optimizer
 
 from ..formats import FloatFormat, get_format
+from ..quant import num_groups
 from . import distributed as _dist
 from .reference import MOMENTS, load_moment, reference_adamw_step
 from .state import StateLayout, init_state
@@ -303,7 +304,7 @@ def _check_state(state: dict, param: torch.Tensor, layout: StateLayout) -> None:
     min_quant_numel) would otherwise make the kernel read and write past the scales it has."""
     scale = state.get("exp_avg_scale")
     if (scale is not None) != layout.quantized or (
-            scale is not None and scale.shape[-1] != -(-(param.shape[-1] if param.dim() else 1) // layout.group_size)):
+            scale is not None and tuple(scale.shape) != num_groups(param.shape, layout.group_size)):
         raise ValueError("lpoptim.AdamW: this parameter's state was built with other group options (group_size, "
                          "min_quant_numel); they cannot change after its first step")
 
