@@ -4,7 +4,8 @@
     python3 benchmarks/kernel_sass.py --offline          # compiled for sm_90 here, no GPU needed (SASS by the
                                                          # ptxas and nvdisasm Triton ships, else PTX)
 
-The step is bound by instruction issue (README): this shows where the instructions go. For each variant
+On the H200 the step was bound by instruction issue (README); on the H100, after the instruction cuts, it runs
+near its bandwidth floor. This shows where the instructions go. For each variant
 (fp32 / bf16 / bf16 with stochastic rounding) it steps one 4096 x 4096 tensor, takes the compiled kernel of
 that launch, keeps its SASS (from nvdisasm through Triton, else PTX) and prints the opcode counts of the whole
 kernel: the table loads once, the loop body once (it is not unrolled), which handles BLOCK_G groups with each

@@ -250,8 +250,9 @@ MAX_TABLES = 4  # address tables kept per plan: gradients that alternate between
 _STATE_KEYS = ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale", "max_exp_avg_sq", "max_exp_avg_sq_scale")
 LAST_LAUNCH = None  # the compiled kernel of the latest launch (its .asm holds PTX/SASS: benchmarks/kernel_sass.py)
 
-# Launch settings, measured on an H100 with benchmarks/optim_kernel.py (fp32 7.6-8.1 ms, bf16 5.3-5.4 ms for 1.24 B
-# parameters; 1 group per tile: 8.1-8.2 / 6.0-6.5): groups per tile, warps per program, tiles per program.
+# Launch settings, measured with benchmarks/optim_kernel.py on an H100 (torch 2.11, triton 3.6;
+# docs/results/console_h100.md): fp32 7.6-8.1 ms, bf16 5.3-5.6 ms for 1.24 B parameters, host part included, on two
+# hosts (1 group per tile: 8.1-8.2 / 6.0-6.5). Groups per tile, warps per program, tiles per program.
 TUNING = dict(block_groups=2, num_warps=1, loop=8)
 
 

@@ -92,7 +92,8 @@ def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, R, C, CP, s
 
 # Tile shapes: rows per program, columns per tile, warps; "from_max" is the one-pass column quantizer (its rows
 # are x's columns: 64 of them make 128-byte runs of bf16 along x's rows). Measured on an H100 with
-# benchmarks/quant_tune.py: rows 1.19-1.40 TB/s (was 0.95-1.26 with 32 x 128), from_max 1.20-1.86 TB/s.
+# benchmarks/quant_tune.py (docs/results/console_h100.md): rows 1.19-1.40 TB/s (was 0.95-1.26 with 32 x 128),
+# from_max 1.20-1.86 TB/s.
 TUNING = {"rows": dict(block_r=16, block_c=256, num_warps=4), "from_max": dict(block_r=64, block_c=128, num_warps=4)}
 
 
