@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lpoptim.activations import compress_activations, record_saved  # noqa: E402
+from lpoptim.bench import environment  # noqa: E402
 
 TARGET_SAVED_MIB = 500.0
 TARGET_TIME_RATIO = 1.05  # vs bf16 eager, measured in the same run
@@ -310,8 +311,7 @@ def main(argv=None):
         if name.startswith("fp8 linears"):
             row["time_vs_fp8_target"] = round(row["ms"] / TARGET_FP8_MS, 3)
 
-    env = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-           "torch": torch.__version__, "triton": _triton_version(), "command": " ".join(sys.argv),
+    env = {**environment(), "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
            "shape": {"batch": b, "seq": t, "d": d, "ffn": ff, "heads": heads, "dtype": str(dtype), "impl": args.impl},
            "targets": {"saved_mib": TARGET_SAVED_MIB, "time_vs_bf16_eager": TARGET_TIME_RATIO,
                        "fp8_linears_ms": TARGET_FP8_MS}}
@@ -336,14 +336,6 @@ def main(argv=None):
               f"{f(row.get('saved_vs_target'), '7.2f')}{f(row['peak_mib'], '10.1f')}{row['ms']:9.2f}"
               f"{f(row.get('time_vs_bf16_eager'), '9.3f')}{row['floor_ms']:9.2f}")
     print(f"wrote {out}")
-
-
-def _triton_version():
-    try:
-        import triton
-        return triton.__version__
-    except Exception:  # noqa: BLE001
-        return None
 
 
 if __name__ == "__main__":

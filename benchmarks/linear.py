@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 import traceback
 
@@ -24,6 +23,7 @@ import torch
 import torch.nn as nn
 
 import lpoptim.nn.operands as operands
+from lpoptim.bench import environment
 from lpoptim.nn import LowBitLinear
 
 SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096)]
@@ -230,13 +230,7 @@ def main(argv=None):
     args.warmup = args.warmup if args.warmup is not None else (1 if args.small else 5)
     args.iters = args.iters or (3 if args.small else 20)
     args.quality_steps = args.quality_steps or (20 if args.small else 1000)
-    env = {"torch": torch.__version__, "python": platform.python_version(), "device": device,
-           "gpu": torch.cuda.get_device_name() if cuda else None, "argv": sys.argv}
-    try:
-        import triton
-        env["triton"] = triton.__version__
-    except ImportError:
-        pass
+    env = {**environment(), "python": platform.python_version(), "device": device}  # GPU, versions, command
     print(json.dumps(env), flush=True)
     layers = layer_benchmarks(args, device, dtype, cuda)
     kernels = kernel_benchmarks(args, device, dtype, cuda)

@@ -18,8 +18,35 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lpoptim.bench import DEFAULT_SHAPE, STACKS, build  # noqa: E402
+from lpoptim.bench import DEFAULT_SHAPE, autocast_loss, build, stack_context, stack_of  # noqa: E402
 from lpoptim.train.llama import PRESETS  # noqa: E402
+
+
+def profile_one(args, name, stack, cfg, batch, seq):
+    model, opt, _handle = build(stack, cfg, "cuda", args.compile)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device="cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        autocast_loss(model, tokens[:, :-1], tokens[:, 1:], "cuda").backward()
+        opt.step()
+
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    by_gpu = events.table(sort_by="self_cuda_time_total", row_limit=args.rows)
+    by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=args.rows)
+    (args.out / f"profile_{name.replace('+', '_')}.txt").write_text(f"wall {wall * 1e3:.1f} ms (profiled), kernels {gpu_us / 1e3:.1f} ms\n\n"
+                                                  f"{by_gpu}\n\n{by_cpu}\n")
+    print(f"=== {name}: profiled step {wall * 1e3:.1f} ms wall, GPU kernels {gpu_us / 1e3:.1f} ms")
+    print(events.table(sort_by="self_cuda_time_total", row_limit=15))
 
 
 def main():
@@ -37,34 +64,10 @@ def main():
     cfg = PRESETS[args.preset]
     batch, seq = args.batch or DEFAULT_SHAPE[args.preset][0], args.seq or DEFAULT_SHAPE[args.preset][1]
     for name in args.recipes.split(","):
-        model, opt, _handle = build(STACKS[name], cfg, "cuda", args.compile)
-        tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device="cuda")
-
-        def step():
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(tokens[:, :-1], tokens[:, 1:])[1]
-            loss.backward()
-            opt.step()
-
-        for _ in range(args.warmup):
-            step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            step()
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-        events = prof.key_averages()
-        gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-        by_gpu = events.table(sort_by="self_cuda_time_total", row_limit=args.rows)
-        by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=args.rows)
-        (args.out / f"profile_{name.replace('+', '_')}.txt").write_text(f"wall {wall * 1e3:.1f} ms (profiled), kernels {gpu_us / 1e3:.1f} ms\n\n"
-                                                      f"{by_gpu}\n\n{by_cpu}\n")
-        print(f"=== {name}: profiled step {wall * 1e3:.1f} ms wall, GPU kernels {gpu_us / 1e3:.1f} ms")
-        print(events.table(sort_by="self_cuda_time_total", row_limit=15))
-        del model, opt, _handle
-        torch.cuda.empty_cache()
+        stack = stack_of(name)
+        with stack_context(stack, args.compile):  # as lpoptim bench: fresh Dynamo, the stack's budget
+            profile_one(args, name, stack, cfg, batch, seq)
+        torch.cuda.empty_cache()  # the recipe's model and optimizer went with profile_one's frame
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ GPU, wall clock on the CPU).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import statistics
@@ -207,16 +208,33 @@ def saved_bytes(model, handle, fwd) -> tuple[object, int]:
     return out, outer.stored_bytes + inner.stored_bytes
 
 
+@contextlib.contextmanager
+def stack_context(stack: Stack, compile_blocks: bool):
+    """What a stack's run needs around it: a fresh Dynamo (graphs, and the budget's partition, are not shared
+    between stacks) and the stack's activation budget for Inductor's partitioner."""
+    if compile_blocks:
+        torch._dynamo.reset()
+    if stack.activation_budget is None:
+        yield
+        return
+    import torch._functorch.config as functorch_config
+
+    with functorch_config.patch(activation_memory_budget=stack.activation_budget):
+        yield
+
+
+def autocast_loss(model, x, y, device: str) -> torch.Tensor:
+    """The loss of one forward under bf16 autocast, as every stack runs it. Without autocast's cast cache: it
+    would keep a bf16 copy of every fp32 weight until the forward ends; without it a copy lives only as long as
+    autograd needs it (compress_activations replays it from the weight instead)."""
+    with torch.autocast(device, dtype=torch.bfloat16, cache_enabled=False):
+        return model(x, y)[1]
+
+
 def run_stack(stack: Stack, cfg: LlamaConfig, batch: int, seq: int, steps: int, warmup: int, device: str,
               compile_blocks: bool) -> dict:
-    if compile_blocks:  # every stack compiles afresh: graphs (and the budget's partition) are not shared
-        torch._dynamo.reset()
-    if stack.activation_budget is not None:
-        import torch._functorch.config as functorch_config
-
-        with functorch_config.patch(activation_memory_budget=stack.activation_budget):
-            return _run_stack(stack, cfg, batch, seq, steps, warmup, device, compile_blocks)
-    return _run_stack(stack, cfg, batch, seq, steps, warmup, device, compile_blocks)
+    with stack_context(stack, compile_blocks):
+        return _run_stack(stack, cfg, batch, seq, steps, warmup, device, compile_blocks)
 
 
 def _run_stack(stack: Stack, cfg: LlamaConfig, batch: int, seq: int, steps: int, warmup: int, device: str,
@@ -229,10 +247,7 @@ def _run_stack(stack: Stack, cfg: LlamaConfig, batch: int, seq: int, steps: int,
     mem = {}
 
     def forward():
-        # autocast's cast cache would keep a bf16 copy of every fp32 weight until the forward ends; without it a
-        # copy lives only as long as autograd needs it (compress_activations replays it from the weight instead)
-        with torch.autocast(device, dtype=torch.bfloat16, cache_enabled=False):
-            return model(x, y)[1]
+        return autocast_loss(model, x, y, device)
 
     def step(measure: bool):
         opt.zero_grad(set_to_none=True)
@@ -333,10 +348,6 @@ def run(preset: str, recipes: list[str], batch: int, seq: int, steps: int, warmu
                 compile=compile_blocks, peak_measured=device == "cuda", results=results)
 
 
-def _triton_version() -> str | None:
-    return _version("triton")
-
-
 def _version(package: str) -> str | None:
     try:
         from importlib.metadata import version
@@ -352,7 +363,7 @@ def environment() -> dict:
     import sys
 
     return dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None, torch=torch.__version__,
-                triton=_triton_version(), bitsandbytes=_version("bitsandbytes"), torchao=_version("torchao"),
+                triton=_version("triton"), bitsandbytes=_version("bitsandbytes"), torchao=_version("torchao"),
                 command=shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
 
 
