@@ -95,3 +95,11 @@ def test_rows_and_cols_with_no_tokens_still_write_column_scales():
     (rv, rs), (cv, cs) = lq.quantize_rows_and_cols(x, lq.get_format("e4m3"), lq.get_format("e4m3"), 48, 0)
     assert rv.shape == (0, 48) and cv.shape == (37, 0)
     assert torch.equal(cs, torch.ones(37, 1))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_finite_absmax_kernel_matches_torch(transposed):
+    x = _x(37, 70, transposed)
+    x[3, 4], x[5, 6], x[7, 8] = float("inf"), float("nan"), -float("inf")
+    assert torch.equal(lq.finite_absmax(x), torch.tensor(150.0))  # _x's outlier; non-finite values set nothing
+    assert lq.finite_absmax(torch.zeros(0, 5)).item() == 0.0

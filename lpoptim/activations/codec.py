@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..formats import E4M3, FloatFormat
-from ..quant import Quantized, absmax_scale, finite_absmax, quantize, rows_of
+from ..quant import Quantized, absmax_scale, quantize, rows_of
 
 COMPRESSIBLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -161,7 +161,8 @@ def pack(t: torch.Tensor, granularity: str, group_size: int = 16, fmt: FloatForm
         elif granularity == "row":
             codes, scale = act_quant.quantize_rows(x)
         else:
-            scale = absmax_scale(finite_absmax(x), fmt)  # max is exact in any dtype
+            # one read of x, no temporaries; the max is exact in any dtype
+            scale = absmax_scale(act_quant.finite_absmax(x.view(rows_of(x.shape))), fmt)
             codes, scale = act_quant.quantize_rows(x, scale)
         codes = codes.view(fmt.dtype)
     else:

@@ -42,6 +42,31 @@ def _load_tile(x_ptr, h_ptr, rows, c0, R, C, stride_r, stride_c, HB: tl.constexp
 
 
 @triton.jit
+def _finite_absmax_kernel(x_ptr, max_ptr, R, C, stride_r, stride_c, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """max |x| over finite elements, into one int32 (|x| orders as its bits do) by an atomic per program."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    amax = tl.zeros((BLOCK_R,), tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        t = finite_abs(_load_tile(x_ptr, x_ptr, rows, c0, R, C, stride_r, stride_c, BLOCK_C, BLOCK_C, False, 1.0,
+                                  False))
+        amax = tl.maximum(amax, tl.max(t, axis=1))
+    tl.atomic_max(max_ptr, tl.max(amax, axis=0).to(tl.int32, bitcast=True))
+
+
+def finite_absmax(x: torch.Tensor) -> torch.Tensor:
+    """quant.finite_absmax of 2-D ``x`` (any strides) as a 0-dim fp32 tensor: one read of x, no temporaries."""
+    if not x.is_contiguous() and x.t().is_contiguous():
+        x = x.t()  # the maximum does not care; the loads follow the contiguous dimension
+    bits = torch.zeros((), device=x.device, dtype=torch.int32)  # +0.0
+    R, C = x.shape
+    if R and C:
+        block_c = min(256, triton.next_power_of_2(max(C, 16)))
+        _finite_absmax_kernel[(triton.cdiv(R, 16),)](x, bits, R, C, x.stride(0), x.stride(1), BLOCK_R=16,
+                                                     BLOCK_C=block_c)
+    return bits.view(torch.float32)
+
+
+@triton.jit
 def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, R, C, CP, stride_r, stride_c,
                        IS_INT: tl.constexpr, FMAX: tl.constexpr, MAN: tl.constexpr, EMIN: tl.constexpr,
                        QMIN: tl.constexpr, QMAX: tl.constexpr, PER_TENSOR: tl.constexpr, HAD: tl.constexpr,
@@ -117,8 +142,7 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
     if granularity == "tensor":
         if hadamard_block:
             raise NotImplementedError("per-tensor scaling with a Hadamard transform: use granularity='row'")
-        # max |x| over finite elements, as quant.finite_absmax, without an fp32 copy of x
-        scale = absmax_scale(x.abs().nan_to_num_(0.0, 0.0, 0.0).amax().float(), fmt).reshape(())
+        scale = absmax_scale(finite_absmax(x), fmt).reshape(())
     elif granularity == "row":
         scale = torch.empty((R, 1), device=x.device, dtype=torch.float32)
     else:
