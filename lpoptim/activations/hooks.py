@@ -212,13 +212,7 @@ class PackContext:
         return Kept(kept)
 
     def is_module_tensor(self, t: torch.Tensor) -> bool:
-        if type(t) is _Parameter:
-            return True
-        try:
-            ptr = t.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):
-            ptr = None
-        return ptr in self.param_ptrs or _is_parameter(t)
+        return _is_parameter(t) or _storage_ptr(t) in self.param_ptrs
 
     def pack(self, t: torch.Tensor):
         if _is_compiling():
@@ -229,7 +223,7 @@ class PackContext:
         if dtype not in _COMPRESSIBLE:
             return self._pack_other(t)
         # Rules 1-7 of the module docstring in order. This runs for every saved tensor, so each property is read
-        # once and the helpers (_is_parameter, _storage_ptr, is_constant, held, remember) are inlined.
+        # once and some helpers (_is_parameter, is_constant, held, remember) are inlined.
         cls = type(t)
         if cls is _Tensor:
             is_param = getattr(t, "_is_param", False)  # as nn.Parameter's isinstance check
@@ -241,10 +235,7 @@ class PackContext:
                 return self._keep("other", t)  # a tensor subclass
         if t.is_sparse:
             return self._keep("other", t)
-        try:
-            sptr = t.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):
-            sptr = None
+        sptr = _storage_ptr(t)
         stats = self.stats
         if is_param or sptr in self.param_ptrs:
             if stats is not None:

@@ -6,7 +6,7 @@ Kinds of saved tensors (one record per tensor autograd asked to save):
 - ``attention``: saved by fused attention and kept as it is (``attention="keep"``).
 - ``lowbit``: already low-bit (uint8/int8/fp8 codes a low-bit linear saved) or another non-float dtype: kept.
 - ``small``: fewer than ``min_numel`` elements, or not smaller once packed: kept.
-- ``other_dtype``: a float dtype lpoptim does not pack (float64): kept.
+- ``other``: a float dtype lpoptim does not pack (float64), a tensor subclass or a sparse tensor: kept.
 - ``constant``: passed to the block without needing grad (rotary tables, masks), or a view of it: kept by
   reference (the caller holds it).
 - ``parameter``: a parameter or buffer (or a view of one): held by the module anyway, costs nothing here.
