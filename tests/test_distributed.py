@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -283,7 +284,7 @@ def pipeline() -> dict:
         full = [single_step(model, opt, s, full_batch=True) for s in range(STEPS)]
 
         # 2. two ranks
-        mp.spawn(_worker, args=(str(tmp / "init"), str(tmp), str(tmp / "ckpt_1proc"), str(tmp / "snapshot_1proc.pt")), nprocs=WORLD, join=True)
+        _spawn_ranks(tmp)
         ranks = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
         # 3. the 2-rank checkpoint into one plain process, continued
@@ -300,6 +301,21 @@ def pipeline() -> dict:
         saved_dtypes = {k: meta[k].properties.dtype for k in meta if hasattr(meta[k], "properties")}
     return dict(ref=ref, full=full, snapshot=snapshot, exact_2to1=exact_2to1, ranks=ranks, resumed_2to1=resumed_2to1, states_2to1=states_2to1,
                 saved_dtypes=saved_dtypes, seconds=time.time() - t0)
+
+
+def _spawn_ranks(tmp: Path) -> None:
+    """The two gloo ranks. A worker killed by a signal (seen once in a CI run: SIGABRT, "terminate called without
+    an active exception", after the single-process checkpoint was written; not reproduced in 14 reruns) is retried
+    once with a fresh rendezvous file; an exception raised in a worker fails the tests as it is."""
+    for attempt in range(2):
+        try:
+            mp.spawn(_worker, args=(str(tmp / f"init{attempt}"), str(tmp), str(tmp / "ckpt_1proc"),
+                                    str(tmp / "snapshot_1proc.pt")), nprocs=WORLD, join=True)
+            return
+        except mp.ProcessExitedException as e:
+            if attempt or e.signal_name is None:
+                raise
+            warnings.warn(f"a gloo worker died ({e}); running the two ranks again")
 
 
 @pytest.fixture(scope="module")
