@@ -31,6 +31,7 @@ SMALL_SHAPES = [(64, 64), (64, 128), (128, 64)]
 RECIPES = [  # (label, recipe, overrides)
     ("lpoptim fp8 (row)", "fp8", {}),
     ("lpoptim fp8 (tensor)", "fp8_tensor", {}),
+    ("lpoptim fp8 (tensor, fast accum fwd)", "fp8_tensor", {"fast_accum": True}),
     ("lpoptim fp4", "fp4", {}),
     ("lpoptim fp4 no OCC", "fp4", {"occ_alpha": None}),
     ("lpoptim int4 (fp8 bwd)", "int4", {}),
@@ -147,6 +148,8 @@ def kernel_benchmarks(args, device, dtype, cuda):
         # bytes: both copies written, x read once
         ("e4m3 rows and columns together (x and saved x for dW)",
          lambda: operands.quantize_operand_and_transpose(x, "e4m3", "e4m3")),
+        ("e4m3 per tensor, rows and columns together",
+         lambda: operands.quantize_operand_and_transpose(x, "e4m3", "e4m3", granularity="tensor")),
     ]
     for label, fn in cases:
         nbytes = x.numel() * (x.element_size() + (2 if "together" in label else 1))

@@ -1,11 +1,13 @@
 """Tile shapes of the operand quantizer (lpoptim/kernels/linear_quant.py TUNING): achieved bandwidth per shape.
 
-    PYTHONPATH=$PWD python3 benchmarks/quant_tune.py
+    PYTHONPATH=$PWD python3 benchmarks/quant_tune.py [--modes rows,from_max,tensor]
 
-Times quantize_rows per row ("rows") and the one-pass column quantizer with known scales ("from_max", as
-quantize_rows_and_cols runs it) on bf16 tensors of the fp8 linears' sizes (x: 16384 x 4096, dy: 16384 x 11008),
-CUDA events, median of 20; bandwidth counts x read once and the fp8 copy written.
+Times quantize_rows per row ("rows"), the one-pass column quantizer with known scales ("from_max", as
+quantize_rows_and_cols runs it) and the per-tensor quantizer writing x and xᵀ ("tensor",
+quantize_tensor_rows_cols, its absmax pass included) on bf16 tensors of the fp8 linears' sizes (x: 16384 x 4096,
+dy: 16384 x 11008), CUDA events, median of 20; bandwidth counts x read once and the fp8 copies written.
 """
+import argparse
 import itertools
 import sys
 from pathlib import Path
@@ -19,18 +21,26 @@ from lpoptim.kernels import linear_quant as lq  # noqa: E402
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--modes", default="rows,from_max,tensor")
+    modes = ap.parse_args().modes.split(",")
     saved = {k: dict(v) for k, v in lq.TUNING.items()}
     for m, k in ((16384, 4096), (16384, 11008)):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         col_max = torch.zeros(k, device="cuda", dtype=torch.int32)
         lq.quantize_rows(x, E4M3, "row", None, k, col_max=col_max)  # the column maxima the column pass reads
-        nbytes = x.numel() * 3
-        for mode, (br, bc, nw) in itertools.product(("rows", "from_max"), itertools.product((16, 32, 64), (128, 256, 512), (4, 8))):
+        tiles = itertools.product((16, 32, 64, 128), (64, 128, 256, 512), (4, 8))
+        for mode, (br, bc, nw) in itertools.product(modes, list(tiles)):
             if br * bc // (32 * nw) > 128:  # fp32 tile elements per thread: beyond this it spills
                 continue
+            if (mode == "tensor") != (br >= 32 and bc <= 256) or (mode != "tensor" and (br > 64 or bc < 128)):
+                continue  # the grid each mode was swept over
             lq.TUNING[mode] = dict(block_r=br, block_c=bc, num_warps=nw)
+            nbytes = x.numel() * (4 if mode == "tensor" else 3)
             if mode == "rows":
                 fn = lambda: lq.quantize_rows(x, E4M3, "row", None, k)  # noqa: E731
+            elif mode == "tensor":
+                fn = lambda: lq.quantize_tensor_rows_cols(x, E4M3, E4M3, k, m)  # noqa: E731
             else:
                 fn = lambda: lq.quantize_rows(x.t(), E4M3, "row", None, m, col_max=col_max, from_max=True)  # noqa: E731
             ms = timer(fn, 1, 20, cuda=True)

@@ -281,8 +281,8 @@ def test_no_grad_forward_saves_no_transposed_copy(monkeypatch):
     calls = []
     real, real_both = functional._save_x_for_dw, functional.quantize_operand_and_transpose
     monkeypatch.setattr(functional, "_save_x_for_dw", lambda *a: calls.append("xt") or real(*a))
-    monkeypatch.setattr(functional, "quantize_operand_and_transpose", lambda *a: calls.append("x+xt") or real_both(*a))
-    for recipe, made in (("fp8", "x+xt"), ("int4", "xt")):  # fp8 quantizes x and xᵀ together
+    monkeypatch.setattr(functional, "quantize_operand_and_transpose", lambda *a, **k: calls.append("x+xt") or real_both(*a, **k))
+    for recipe, made in (("fp8", "x+xt"), ("fp8_tensor", "x+xt"), ("int4", "xt")):  # fp8: x and xᵀ together
         layer = convert_linears(torch.nn.Sequential(torch.nn.Linear(32, 16)), recipe)
         x = torch.randn(8, 32)
         with torch.no_grad():
@@ -299,3 +299,11 @@ def test_recipe_refuses_unknown_forward_format():
 
     with pytest.raises(ValueError, match="fwd_fmt"):
         get_recipe("fp8", fwd_fmt="e5m2")
+
+
+def test_fast_accum_is_refused_for_4bit_recipes():
+    from lpoptim.nn import get_recipe
+
+    assert get_recipe("fp8_tensor", fast_accum=True).fast_accum
+    with pytest.raises(ValueError, match="fast_accum"):
+        get_recipe("fp4", fast_accum=True)

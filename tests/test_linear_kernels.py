@@ -103,3 +103,39 @@ def test_finite_absmax_kernel_matches_torch(transposed):
     x[3, 4], x[5, 6], x[7, 8] = float("inf"), float("nan"), -float("inf")
     assert torch.equal(lq.finite_absmax(x), torch.tensor(150.0))  # _x's outlier; non-finite values set nothing
     assert lq.finite_absmax(torch.zeros(0, 5)).item() == 0.0
+
+
+@pytest.mark.parametrize("row_fmt,col_fmt", [("e4m3", "e4m3"), ("e5m2", "e5m2"), ("e4m3", "e5m2"),
+                                             ("e2m1", "int4_sym"), ("e4m3", None), (None, "e5m2")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_per_tensor_rows_and_cols_match_the_references(row_fmt, col_fmt, dtype, transposed):
+    """One per-tensor pass writes x and xᵀ (each padded with zeros, each with its own format's scale) with the
+    bits of quantizing x and x.t() on their own; non-finite values set no scale; any strides."""
+    x = _x(150, 37, transposed, dtype)  # 150 tokens: three row tiles, the last one partial
+    x[9, 11], x[20, 3] = float("inf"), float("nan")
+    rows, cols = lq.quantize_tensor_rows_cols(x, row_fmt, col_fmt, 48 if row_fmt else None, 160 if col_fmt else None)
+    assert (rows is None) == (row_fmt is None) and (cols is None) == (col_fmt is None)
+    for out, src, fmt, width in ((rows, x, row_fmt, 48), (cols, x.t(), col_fmt, 160)):
+        if fmt is None:
+            continue
+        ref = quantize_operand_ref(src, fmt, "tensor", None, width)
+        v, s = out
+        assert v.dtype == ref.values.dtype and v.shape == ref.values.shape and v.is_contiguous()
+        assert torch.equal(v.float().nan_to_num(7.0), ref.values.float().nan_to_num(7.0))
+        assert torch.equal(s, ref.scale) and s.shape == ()
+    if cols is not None:
+        assert (cols[0].float()[:, 150:] == 0).all()  # padded tokens are zeros
+
+
+def test_per_tensor_quantize_rows_is_the_rows_half():
+    x = _x(40, 33, True)
+    v, s = lq.quantize_rows(x, "e5m2", "tensor", None, 48)
+    ref = quantize_operand_ref(x, "e5m2", "tensor", None, 48)
+    assert torch.equal(v.float(), ref.values.float()) and torch.equal(s, ref.scale)
+
+
+def test_per_tensor_with_nothing_to_read_sets_scale_one():
+    rows, cols = lq.quantize_tensor_rows_cols(torch.zeros(0, 37), "e4m3", "e5m2", 48, 0)
+    assert rows[0].shape == (0, 48) and cols[0].shape == (37, 0)
+    assert rows[1].item() == 1.0 and cols[1].item() == 1.0

@@ -67,9 +67,25 @@ def finite_absmax(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _quantize_tile(t, scale, FMAX: tl.constexpr, IS_INT: tl.constexpr, MAN: tl.constexpr, EMIN: tl.constexpr,
+                   QMIN: tl.constexpr, QMAX: tl.constexpr, NATIVE: tl.constexpr, CONTAINER_E4M3: tl.constexpr,
+                   OUT_DTYPE: tl.constexpr, ON_GPU: tl.constexpr):
+    """A tile divided by its scale (broadcast: a column of row scales, or one) and rounded onto the format's grid
+    exactly as formats.round_to_grid, as fp8 codes of ``OUT_DTYPE``."""
+    y = tl.math.div_rn(t, tl.broadcast_to(scale, t.shape))
+    if ON_GPU and NATIVE:  # E4M3 / E5M2 in their own dtype: the cast rounds to nearest even, +-inf clamped as
+        return tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL).to(OUT_DTYPE)
+    q = round_to_grid(y, IS_INT, FMAX, MAN, EMIN, QMIN, QMAX)
+    if ON_GPU:
+        return q.to(OUT_DTYPE)
+    # the interpreter's cast is wrong on carries and NaN (DESIGN.md section 7): rounded in fp32, NaN by hand
+    return fp8_bits(q, CONTAINER_E4M3).to(OUT_DTYPE, bitcast=True)
+
+
+@triton.jit
 def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, R, C, CP, stride_r, stride_c,
                        IS_INT: tl.constexpr, FMAX: tl.constexpr, MAN: tl.constexpr, EMIN: tl.constexpr,
-                       QMIN: tl.constexpr, QMAX: tl.constexpr, PER_TENSOR: tl.constexpr, HAD: tl.constexpr,
+                       QMIN: tl.constexpr, QMAX: tl.constexpr, HAD: tl.constexpr,
                        INV_SQRT: tl.constexpr, BF16_DOT: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCK_C: tl.constexpr, COL_MAX: tl.constexpr, SCALE_FROM_MAX: tl.constexpr,
                        ON_GPU: tl.constexpr, CONTAINER_E4M3: tl.constexpr, NATIVE: tl.constexpr,
@@ -80,9 +96,7 @@ def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, R, C, CP, s
     if SCALE_FROM_MAX:  # scales known up front: one pass, and the columns split over a second grid axis
         c_begin = tl.program_id(1) * COLS_PER_PROGRAM
         c_end = tl.minimum(c_begin + COLS_PER_PROGRAM, CP)
-    if PER_TENSOR:
-        scale = tl.load(scale_ptr) + tl.zeros((BLOCK_R,), tl.float32)
-    elif SCALE_FROM_MAX:  # the rows' absmax came with another pass (the column maxima of quantize_rows_and_cols)
+    if SCALE_FROM_MAX:  # the rows' absmax came with another pass (the column maxima of quantize_rows_and_cols)
         amax = tl.load(colmax_ptr + rows, mask=rows < R, other=0).to(tl.float32, bitcast=True)
         scale = _absmax_scale(amax, FMAX)
         if tl.program_id(1) == 0:
@@ -101,15 +115,8 @@ def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, R, C, CP, s
     for c0 in range(c_begin, c_end, BLOCK_C):
         t = _load_tile(x_ptr, h_ptr, rows, c0, R, C, stride_r, stride_c, BLOCK_C, BLOCK_C, HAD, INV_SQRT,
                        BF16_DOT)
-        y = tl.math.div_rn(t, tl.broadcast_to(scale[:, None], t.shape))
-        if ON_GPU and NATIVE:  # E4M3 / E5M2 in their own dtype: the cast rounds to nearest even onto the grid
-            q = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)  # +-inf as round_to_grid does
-            q = q.to(out_ptr.dtype.element_ty)
-        elif ON_GPU:
-            q = round_to_grid(y, IS_INT, FMAX, MAN, EMIN, QMIN, QMAX).to(out_ptr.dtype.element_ty)
-        else:  # the interpreter's cast is wrong on carries and NaN (DESIGN.md section 7): round in fp32, NaN by hand
-            q = round_to_grid(y, IS_INT, FMAX, MAN, EMIN, QMIN, QMAX)
-            q = fp8_bits(q, CONTAINER_E4M3).to(out_ptr.dtype.element_ty, bitcast=True)
+        q = _quantize_tile(t, scale[:, None], FMAX, IS_INT, MAN, EMIN, QMIN, QMAX, NATIVE, CONTAINER_E4M3,
+                           out_ptr.dtype.element_ty, ON_GPU)
         cols = c0 + tl.arange(0, BLOCK_C)
         mask = (rows[:, None] < R) & (cols[None, :] < CP)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * CP + cols[None, :], q, mask=mask)
@@ -119,7 +126,8 @@ def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, R, C, CP, s
 # are x's columns: 64 of them make 128-byte runs of bf16 along x's rows). Measured on an H100 with
 # benchmarks/quant_tune.py (docs/results/console_h100.md): rows 1.19-1.40 TB/s (was 0.95-1.26 with 32 x 128),
 # from_max 1.20-1.86 TB/s.
-TUNING = {"rows": dict(block_r=16, block_c=256, num_warps=4), "from_max": dict(block_r=64, block_c=128, num_warps=4)}
+TUNING = {"rows": dict(block_r=16, block_c=256, num_warps=4), "from_max": dict(block_r=64, block_c=128, num_warps=4),
+          "tensor": dict(block_r=64, block_c=64, num_warps=4)}  # "tensor": not measured yet
 
 
 def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block: int | None = None,
@@ -138,15 +146,14 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
     cols = C if cols is None else cols
     if hadamard_block and cols % hadamard_block:
         raise ValueError(f"padded width {cols} is not a multiple of the Hadamard block {hadamard_block}")
-    out = torch.empty((R, cols), device=x.device, dtype=container_dtype(fmt))
     if granularity == "tensor":
         if hadamard_block:
             raise NotImplementedError("per-tensor scaling with a Hadamard transform: use granularity='row'")
-        scale = absmax_scale(finite_absmax(x), fmt).reshape(())
-    elif granularity == "row":
-        scale = torch.empty((R, 1), device=x.device, dtype=torch.float32)
-    else:
+        return quantize_tensor_rows_cols(x, fmt, None, cols, None)[0]
+    if granularity != "row":
         raise ValueError(f"granularity must be 'row' or 'tensor', got {granularity!r}")
+    out = torch.empty((R, cols), device=x.device, dtype=container_dtype(fmt))
+    scale = torch.empty((R, 1), device=x.device, dtype=torch.float32)
     if R == 0:
         return out, scale
     is_int = isinstance(fmt, IntFormat)
@@ -164,7 +171,7 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
         x, out, scale, h, col_max if col_max is not None else scale, R, C, cols, x.stride(0), x.stride(1),
         IS_INT=is_int, FMAX=float(fmt.max), MAN=0 if is_int else fmt.man_bits,
         EMIN=0 if is_int else fmt.min_normal_exp, QMIN=fmt.qmin if is_int else 0, QMAX=fmt.qmax if is_int else 0,
-        PER_TENSOR=granularity == "tensor", HAD=had, INV_SQRT=inv_sqrt(hadamard_block) if had else 1.0,
+        HAD=had, INV_SQRT=inv_sqrt(hadamard_block) if had else 1.0,
         # the interpreter's bf16 tl.dot returns garbage (triton 3.9); its fp32 'ieee' dot computes the same sums
         BF16_DOT=x.dtype == torch.bfloat16 and not interpreted(), BLOCK_R=block_r, BLOCK_C=block_c,
         COL_MAX=col_max is not None and not from_max, SCALE_FROM_MAX=from_max, ON_GPU=not interpreted(),
@@ -172,6 +179,86 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
         num_warps=tune["num_warps"],
     )
     return out, scale
+
+
+@triton.jit
+def _quant_tensor_kernel(x_ptr, amax_ptr, row_ptr, row_scale_ptr, col_ptr, col_scale_ptr, R, C, RP, CP,
+                         stride_r, stride_c,
+                         ROWS: tl.constexpr, R_FMAX: tl.constexpr, R_INT: tl.constexpr, R_MAN: tl.constexpr,
+                         R_EMIN: tl.constexpr, R_QMIN: tl.constexpr, R_QMAX: tl.constexpr, R_NATIVE: tl.constexpr,
+                         R_E4M3: tl.constexpr,
+                         COLS: tl.constexpr, C_FMAX: tl.constexpr, C_INT: tl.constexpr, C_MAN: tl.constexpr,
+                         C_EMIN: tl.constexpr, C_QMIN: tl.constexpr, C_QMAX: tl.constexpr, C_NATIVE: tl.constexpr,
+                         C_E4M3: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ON_GPU: tl.constexpr):
+    """One read of a (BLOCK_R, BLOCK_C) tile of x, scaled by one per-tensor scale: written as rows (R, CP) and/or
+    transposed as columns (C, RP), zero-padded. The scales (amax / FMAX) are worked out from the finite absmax."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    t = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c,
+                mask=(rows[:, None] < R) & (cols[None, :] < C), other=0.0).to(tl.float32)
+    amax = tl.load(amax_ptr)
+    first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+    if ROWS:
+        scale = _absmax_scale(amax, R_FMAX)
+        q = _quantize_tile(t, scale, R_FMAX, R_INT, R_MAN, R_EMIN, R_QMIN, R_QMAX, R_NATIVE, R_E4M3,
+                           row_ptr.dtype.element_ty, ON_GPU)
+        tl.store(row_ptr + rows[:, None].to(tl.int64) * CP + cols[None, :], q,
+                 mask=(rows[:, None] < R) & (cols[None, :] < CP))
+        if first:
+            tl.store(row_scale_ptr, scale)
+    if COLS:
+        scale = _absmax_scale(amax, C_FMAX)
+        q = _quantize_tile(t, scale, C_FMAX, C_INT, C_MAN, C_EMIN, C_QMIN, C_QMAX, C_NATIVE, C_E4M3,
+                           col_ptr.dtype.element_ty, ON_GPU)
+        tl.store(col_ptr + cols[None, :].to(tl.int64) * RP + rows[:, None], q,
+                 mask=(rows[:, None] < RP) & (cols[None, :] < C))
+        if first:
+            tl.store(col_scale_ptr, scale)
+
+
+def _grid_args(fmt, prefix: str, out: torch.Tensor) -> dict:
+    is_int = isinstance(fmt, IntFormat)
+    return {f"{prefix}_FMAX": float(fmt.max), f"{prefix}_INT": is_int, f"{prefix}_MAN": 0 if is_int else fmt.man_bits,
+            f"{prefix}_EMIN": 0 if is_int else fmt.min_normal_exp, f"{prefix}_QMIN": fmt.qmin if is_int else 0,
+            f"{prefix}_QMAX": fmt.qmax if is_int else 0, f"{prefix}_NATIVE": fmt.name in ("e4m3", "e5m2"),
+            f"{prefix}_E4M3": out.dtype == torch.float8_e4m3fn}
+
+
+def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int | None, col_cols: int | None):
+    """Per-tensor quantization of 2-D ``x`` (any strides) as rows (R, row_cols) with ``row_fmt`` and/or as
+    columns, transposed, (C, col_cols) with ``col_fmt``: one pass for the finite absmax, one that reads each
+    element once and writes both copies. A format of None skips that copy. Returns ((values, scale) or None,
+    (values, scale) or None), each equal to operands.quantize_operand_ref(..., "tensor") of x or of x.t()."""
+    R, C = x.shape
+    amax = finite_absmax(x)
+    rows = cols = None
+    dummy = amax
+    if row_fmt is not None:
+        row_fmt = get_format(row_fmt)
+        rows = (torch.empty((R, row_cols), device=x.device, dtype=container_dtype(row_fmt)),
+                torch.empty((), device=x.device, dtype=torch.float32))
+    if col_fmt is not None:
+        col_fmt = get_format(col_fmt)
+        cols = (torch.empty((C, col_cols), device=x.device, dtype=container_dtype(col_fmt)),
+                torch.empty((), device=x.device, dtype=torch.float32))
+    rp = col_cols if cols else R
+    cp = row_cols if rows else C
+    tune = TUNING["tensor"]
+    block_r, block_c = tune["block_r"], tune["block_c"]
+    if max(R, rp) and max(C, cp):
+        grid = (triton.cdiv(max(R, rp), block_r), triton.cdiv(max(C, cp), block_c))
+        _quant_tensor_kernel[grid](
+            x, amax, *(rows or (dummy, dummy)), *(cols or (dummy, dummy)), R, C, rp, cp, x.stride(0), x.stride(1),
+            ROWS=rows is not None, **_grid_args(row_fmt or get_format("e4m3"), "R", rows[0] if rows else dummy),
+            COLS=cols is not None, **_grid_args(col_fmt or get_format("e4m3"), "C", cols[0] if cols else dummy),
+            BLOCK_R=block_r, BLOCK_C=block_c, ON_GPU=not interpreted(), num_warps=tune["num_warps"])
+    else:  # nothing to read: the scales of an all-zero tensor
+        for out, fmt in ((rows, row_fmt), (cols, col_fmt)):
+            if out is not None:
+                out[0].zero_()
+                out[1].copy_(absmax_scale(amax, fmt).reshape(()))
+    return rows, cols
 
 
 def quantize_cols_from_max(x: torch.Tensor, fmt, col_max: torch.Tensor, cols: int):

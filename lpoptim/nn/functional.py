@@ -36,8 +36,8 @@ def _save_x_for_dw(x2: torch.Tensor, r: Recipe) -> Operand:
 def _fp8_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, dx_dtype, dw_dtype, w_col_max=None):
     dx = dw = None
     gq = gt = None
-    if need_dx and need_dw and r.granularity == "row":  # dy per row and per column: two passes over dy, not three
-        gq, gt = quantize_operand_and_transpose(g2, r.grad_fmt, r.grad_fmt)
+    if need_dx and need_dw:  # dy and dyᵀ: two passes over dy, not three (or four, per tensor)
+        gq, gt = quantize_operand_and_transpose(g2, r.grad_fmt, r.grad_fmt, granularity=r.granularity)
     if need_dx:
         gq = gq or quantize_operand(g2, r.grad_fmt, r.granularity)    # (M, N)
         wt = (quantize_transpose_from_max(w, r.bwd_fmt, w_col_max) if w_col_max is not None  # one pass
@@ -122,15 +122,19 @@ class Fp8LinearFunction(_LowBitLinearFunction):
     @staticmethod
     def forward_gemm(ctx, x2, w, r, out_dtype):
         return gemm(quantize_operand(x2, r.fwd_fmt, r.granularity), quantize_operand(w, r.fwd_fmt, r.granularity),
-                    out_dtype)
+                    out_dtype, r.fast_accum)
 
     @staticmethod
     def forward_gemm_and_xt(ctx, x2, w, r, out_dtype):
-        if r.granularity != "row" or r.backward == "int4split":
+        if r.backward == "int4split":
             return None, None
-        xq, xt = quantize_operand_and_transpose(x2, r.fwd_fmt, r.bwd_fmt)  # x per token and per in-feature
-        wq, ctx.w_col_max = quantize_operand_keep_col_max(w, r.fwd_fmt)  # W's columns: one pass in backward
-        return gemm(xq, wq, out_dtype), xt
+        # x for the forward and xᵀ for dW, in two passes over x
+        xq, xt = quantize_operand_and_transpose(x2, r.fwd_fmt, r.bwd_fmt, granularity=r.granularity)
+        if r.granularity == "row":
+            wq, ctx.w_col_max = quantize_operand_keep_col_max(w, r.fwd_fmt)  # W's columns: one pass in backward
+        else:
+            wq = quantize_operand(w, r.fwd_fmt, "tensor")
+        return gemm(xq, wq, out_dtype, r.fast_accum), xt
 
 
 class Fp4LinearFunction(_LowBitLinearFunction):

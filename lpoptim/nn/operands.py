@@ -73,6 +73,11 @@ def quantize_operand(x: torch.Tensor, fmt, granularity: str = "row", hadamard_bl
     if x.dim() != 2:
         raise ValueError(f"expected a 2-D tensor, got shape {tuple(x.shape)}")
     cols = padded(x.shape[1], math.lcm(pad_to, hadamard_block or 1))
+    if use_kernels(x) and granularity == "tensor" and not hadamard_block:  # rows of x, or columns of x.t()
+        from ..kernels.linear_quant import quantize_tensor_rows_cols
+        if not x.is_contiguous() and x.t().is_contiguous():  # x.t(): read along its contiguous dimension
+            return Operand(*quantize_tensor_rows_cols(x.t(), None, fmt, None, cols)[1])
+        return Operand(*quantize_tensor_rows_cols(x, fmt, None, cols, None)[0])
     if use_kernels(x):
         from ..kernels.linear_quant import quantize_rows
         values, scale = quantize_rows(x, fmt, granularity, hadamard_block, cols)
@@ -80,17 +85,24 @@ def quantize_operand(x: torch.Tensor, fmt, granularity: str = "row", hadamard_bl
     return quantize_operand_ref(x, fmt, granularity, hadamard_block, cols)
 
 
-def quantize_operand_and_transpose(x: torch.Tensor, row_fmt, col_fmt, pad_to: int = 16) -> tuple[Operand, Operand]:
-    """quantize_operand(x, row_fmt) and quantize_operand(x.t(), col_fmt), per row: the same two operands, on CUDA
-    in two passes over x instead of three (kernels.linear_quant.quantize_rows_and_cols)."""
+def quantize_operand_and_transpose(x: torch.Tensor, row_fmt, col_fmt, pad_to: int = 16,
+                                   granularity: str = "row") -> tuple[Operand, Operand]:
+    """quantize_operand(x, row_fmt) and quantize_operand(x.t(), col_fmt): the same two operands, on CUDA in two
+    passes over x instead of three. Per row: the row pass leaves the column maxima for a one-pass column
+    quantizer (kernels.linear_quant.quantize_rows_and_cols); per tensor: the absmax, then one pass writing both
+    copies (quantize_tensor_rows_cols)."""
     if x.dim() != 2:
         raise ValueError(f"expected a 2-D tensor, got shape {tuple(x.shape)}")
     row_cols, col_cols = padded(x.shape[1], pad_to), padded(x.shape[0], pad_to)
     if use_kernels(x) and x.is_contiguous():
-        from ..kernels.linear_quant import quantize_rows_and_cols
-        rows, cols = quantize_rows_and_cols(x, get_format(row_fmt), get_format(col_fmt), row_cols, col_cols)
+        from ..kernels import linear_quant as lq
+        if granularity == "tensor":
+            rows, cols = lq.quantize_tensor_rows_cols(x, row_fmt, col_fmt, row_cols, col_cols)
+        else:
+            rows, cols = lq.quantize_rows_and_cols(x, get_format(row_fmt), get_format(col_fmt), row_cols, col_cols)
         return Operand(*rows), Operand(*cols)
-    return quantize_operand(x, row_fmt, "row", None, pad_to), quantize_operand(x.t(), col_fmt, "row", None, pad_to)
+    return (quantize_operand(x, row_fmt, granularity, None, pad_to),
+            quantize_operand(x.t(), col_fmt, granularity, None, pad_to))
 
 
 def quantize_operand_keep_col_max(x: torch.Tensor, fmt, pad_to: int = 16) -> tuple[Operand, torch.Tensor | None]:
@@ -181,18 +193,20 @@ def _scales(a: Operand, b: Operand):
     return sa, sb
 
 
-def gemm(a: Operand, b: Operand, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def gemm(a: Operand, b: Operand, out_dtype: torch.dtype = torch.float32, fast_accum: bool = False) -> torch.Tensor:
     """(a.values·a.scale) @ (b.values·b.scale)ᵀ: a (M, K), b (N, K), the contraction dim K last in both.
 
-    CUDA: torch._scaled_mm with fp32 accumulation (b passed column-major, as Hopper wants). CPU: the same
-    product in fp32 from the grid values (exact for 4-bit values: products are multiples of 1/4).
+    CUDA: torch._scaled_mm with fp32 accumulation (b passed column-major, as Hopper wants); ``fast_accum``:
+    Hopper's faster FP8 accumulation, which drops low bits (Recipe.fast_accum; not exact for 4-bit values).
+    CPU: the same product in fp32 from the grid values (exact for 4-bit values: products are multiples of 1/4;
+    ``fast_accum`` changes nothing there).
     """
     sa, sb = _scales(a, b)
     if a.values.is_cuda:
         rowwise = sa.dim() == 2
         try:
             out = torch._scaled_mm(a.values, b.values.t(), scale_a=sa, scale_b=sb,
-                                   out_dtype=torch.bfloat16 if rowwise else out_dtype, use_fast_accum=False)
+                                   out_dtype=torch.bfloat16 if rowwise else out_dtype, use_fast_accum=fast_accum)
             return out.to(out_dtype)
         except torch.OutOfMemoryError:  # not a missing kernel: the fp32 emulation would need more memory still
             raise

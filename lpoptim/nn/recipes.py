@@ -27,6 +27,7 @@ class Recipe:
     grad_fmt: str = "e5m2"         # output gradient dy
     bwd_fmt: str = "e4m3"          # W in the dx GEMM and the saved x in the dW GEMM
     backward: str = "fp8"          # "fp8", or (int4 only) "int4split": dy as INT8 split into two INT4 halves
+    fast_accum: bool = False       # fp8 forward GEMM with Hopper's fast accumulation (torchao's default there)
     # fp4 (Wang et al. 2025, arXiv 2501.17116)
     fp4_block: int | None = None   # None: per-token/per-channel scales; 32: blocks with power-of-two scales
     dge_k: float | None = None     # differentiable gradient estimator exponent (None: straight-through)
@@ -63,6 +64,9 @@ def get_recipe(recipe: str | Recipe, **overrides) -> Recipe:
         raise ValueError(f"granularity must be 'row' or 'tensor', got {recipe.granularity!r}")
     if recipe.backward not in ("fp8", "int4split"):
         raise ValueError(f"backward must be 'fp8' or 'int4split', got {recipe.backward!r}")
+    if recipe.fast_accum and recipe.fwd_fmt != "e4m3":
+        raise ValueError("fast_accum is for the fp8 recipes: it drops accumulator bits, so 4-bit GEMMs would no "
+                         "longer be exact")
     if recipe.hadamard_block is not None and recipe.hadamard_block & (recipe.hadamard_block - 1):
         raise ValueError(f"hadamard_block must be a power of two, got {recipe.hadamard_block}")
     return recipe
