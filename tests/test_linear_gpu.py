@@ -103,9 +103,13 @@ def test_per_tensor_rows_and_cols_on_gpu(dtype):
     x[9, 11], x[20, 3], x[30, 4] = float("inf"), float("nan"), 1e4
     for fr, fc in (("e4m3", "e4m3"), ("e5m2", "e5m2"), ("e4m3", "e5m2")):
         a, b = quantize_operand_and_transpose(x, fr, fc, granularity="tensor")
-        for op, ref in ((a, quantize_operand_ref(x, fr, "tensor", None, 704)),
-                        (b, quantize_operand_ref(x.t(), fc, "tensor", None, 1008))):
-            assert torch.equal(op.values.float().nan_to_num(7.0), ref.values.float().nan_to_num(7.0))
+        for name, op, ref in (("x", a, quantize_operand_ref(x, fr, "tensor", None, 704)),
+                              ("xt", b, quantize_operand_ref(x.t(), fc, "tensor", None, 1008))):
+            got, want = op.values.float().nan_to_num(7.0), ref.values.float().nan_to_num(7.0)
+            bad = (got != want).nonzero()
+            assert len(bad) == 0, (f"{fr}/{fc} {name}: {len(bad)} differ, first at {bad[:3].tolist()}: "
+                                   f"{got[tuple(bad[:3].t())].tolist()} vs {want[tuple(bad[:3].t())].tolist()}, "
+                                   f"scales {op.scale.item()} vs {ref.scale.item()}")
             assert torch.equal(op.scale, ref.scale)
 
 

@@ -67,10 +67,10 @@ def _int4split_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: b
 
 
 class _LowBitLinearFunction(torch.autograd.Function):
-    """Shared backward; subclasses define the forward GEMM."""
+    """The eager path: forward and backward of one recipe (subclasses define the forward GEMM)."""
 
     @staticmethod
-    def forward_gemm(ctx, x2, w, r: Recipe, out_dtype: torch.dtype) -> torch.Tensor:
+    def forward_gemm(x2, w, r: Recipe, out_dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
     @staticmethod
@@ -78,70 +78,87 @@ class _LowBitLinearFunction(torch.autograd.Function):
         return None
 
     @staticmethod
-    def forward_gemm_and_xt(ctx, x2, w, r: Recipe, out_dtype: torch.dtype):
-        """(y, xᵀ operand) where computing both at once pays; (y, None) leaves xᵀ to _save_x_for_dw."""
-        return None, None
+    def forward_gemm_and_xt(x2, w, r: Recipe, out_dtype: torch.dtype):
+        """(y, xᵀ operand, W's column maxima or None) where computing them together pays; (None, None, None)
+        leaves xᵀ to _save_x_for_dw."""
+        return None, None, None
 
-    @classmethod
-    def forward(cls, ctx, x, w, bias, r: Recipe, out_dtype: torch.dtype, grad_enabled: bool):
-        x2 = _flat(x)
+    @staticmethod
+    def forward(ctx, x, w, bias, r: Recipe, out_dtype: torch.dtype, grad_enabled: bool):
         # grad mode is off inside forward: the caller says whether a backward can follow (no xᵀ under no_grad)
         want_xt = grad_enabled and w.requires_grad
-        y, xt = cls.forward_gemm_and_xt(ctx, x2, w, r, out_dtype) if want_xt else (None, None)
-        if y is None:
-            y = cls.forward_gemm(ctx, x2, w, r, out_dtype)
-        if bias is not None:
-            y = y + bias.to(y.dtype)
-        if want_xt and xt is None:
-            xt = _save_x_for_dw(x2, r)
+        y, xt, ctx.w_col_max = lowbit_forward(_flat(x), w, bias, r, out_dtype, want_xt)
         ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.has_bias = r, x.shape, x.dtype, bias is not None
         ctx.save_for_backward(w, *((xt.values, xt.scale) if xt is not None else ()))
-        return y.to(out_dtype).reshape(*x.shape[:-1], w.shape[0])
+        return y.reshape(*x.shape[:-1], w.shape[0])
 
-    @classmethod
-    def backward(cls, ctx, gy):
-        r = ctx.recipe
+    @staticmethod
+    def backward(ctx, gy):
         w, *saved = ctx.saved_tensors
-        xt = Operand(*saved) if saved else None
-        g2 = _flat(gy)
-        need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        with torch.autocast(gy.device.type, enabled=False):
-            bwd = _int4split_backward if r.backward == "int4split" else _fp8_backward
-            factor = cls.weight_grad_factor(w, r) if need_dw and xt is not None else None
-            dx, dw = bwd(g2, w, xt, r, need_dx, need_dw and xt is not None, ctx.x_dtype,
-                         w.dtype if factor is None else torch.float32, getattr(ctx, "w_col_max", None))
-            if dw is not None:
-                dw = (dw if factor is None else dw * factor).to(w.dtype)
-            if dx is not None:
-                dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
-            db = g2.sum(0, dtype=torch.float32).to(w.dtype) if (need_db and ctx.has_bias) else None
-        return dx, dw, db, None, None, None
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dx, dw, db = lowbit_backward(_flat(gy), w, Operand(*saved) if saved else None, ctx.w_col_max, ctx.recipe,
+                                     need_dx, need_dw, need_db and ctx.has_bias, ctx.x_dtype)
+        return None if dx is None else dx.reshape(ctx.x_shape), dw, db, None, None, None
+
+
+def lowbit_forward(x2, w, bias, r: Recipe, out_dtype: torch.dtype, want_xt: bool):
+    """y = x2 Wᵀ + b in ``out_dtype`` with the recipe's forward GEMM, and (when ``want_xt``) the saved xᵀ operand
+    for dW and W's column maxima (fp8 per row on CUDA: the backward then quantizes W's columns in one pass)."""
+    fn = FUNCTIONS[r.fwd_fmt]
+    y = xt = w_col_max = None
+    if want_xt:
+        y, xt, w_col_max = fn.forward_gemm_and_xt(x2, w, r, out_dtype)
+    if y is None:
+        y = fn.forward_gemm(x2, w, r, out_dtype)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    if want_xt and xt is None:
+        xt = _save_x_for_dw(x2, r)
+    return y.to(out_dtype), xt, w_col_max
+
+
+def lowbit_backward(g2, w, xt: Operand | None, w_col_max, r: Recipe, need_dx: bool, need_dw: bool, need_db: bool,
+                    x_dtype: torch.dtype):
+    """(dx2, dW, db), None where not needed: the backward GEMMs of the recipe; dW needs the saved xᵀ."""
+    need_dw = need_dw and xt is not None
+    with torch.autocast(g2.device.type, enabled=False):
+        bwd = _int4split_backward if r.backward == "int4split" else _fp8_backward
+        factor = FUNCTIONS[r.fwd_fmt].weight_grad_factor(w, r) if need_dw else None
+        dx, dw = bwd(g2, w, xt, r, need_dx, need_dw, x_dtype, w.dtype if factor is None else torch.float32,
+                     w_col_max)
+        if dw is not None:
+            dw = (dw if factor is None else dw * factor).to(w.dtype)
+        if dx is not None:
+            dx = dx.to(x_dtype)
+        db = g2.sum(0, dtype=torch.float32).to(w.dtype) if need_db else None
+    return dx, dw, db
 
 
 class Fp8LinearFunction(_LowBitLinearFunction):
     @staticmethod
-    def forward_gemm(ctx, x2, w, r, out_dtype):
+    def forward_gemm(x2, w, r, out_dtype):
         return gemm(quantize_operand(x2, r.fwd_fmt, r.granularity), quantize_operand(w, r.fwd_fmt, r.granularity),
                     out_dtype, r.fast_accum)
 
     @staticmethod
-    def forward_gemm_and_xt(ctx, x2, w, r, out_dtype):
+    def forward_gemm_and_xt(x2, w, r, out_dtype):
         if r.backward == "int4split":
-            return None, None
+            return None, None, None
         # x for the forward and xᵀ for dW, in two passes over x
         xq, xt = quantize_operand_and_transpose(x2, r.fwd_fmt, r.bwd_fmt, granularity=r.granularity)
+        w_col_max = None
         if r.granularity == "row":
-            wq, ctx.w_col_max = quantize_operand_keep_col_max(w, r.fwd_fmt)  # W's columns: one pass in backward
+            wq, w_col_max = quantize_operand_keep_col_max(w, r.fwd_fmt)  # W's columns: one pass in backward
         else:
             wq = quantize_operand(w, r.fwd_fmt, "tensor")
-        return gemm(xq, wq, out_dtype, r.fast_accum), xt
+        return gemm(xq, wq, out_dtype, r.fast_accum), xt, w_col_max
 
 
 class Fp4LinearFunction(_LowBitLinearFunction):
     """E2M1 forward with outlier clamping (OCC), DGE on the weight gradient; backward GEMMs in FP8."""
 
     @staticmethod
-    def forward_gemm(ctx, x2, w, r, out_dtype):
+    def forward_gemm(x2, w, r, out_dtype):
         resid = None
         if r.occ_alpha is not None:
             x2, resid = occ_split(x2, r.occ_alpha, r.occ_sample)
@@ -173,7 +190,7 @@ class Int4LinearFunction(_LowBitLinearFunction):
     """INT4 (-7..7) after a block-diagonal Hadamard along in-features; it cancels in the product."""
 
     @staticmethod
-    def forward_gemm(ctx, x2, w, r, out_dtype):
+    def forward_gemm(x2, w, r, out_dtype):
         b = pick_block(w.shape[1], r.hadamard_block)
         return gemm(quantize_operand(x2, r.fwd_fmt, "row", b), quantize_operand(w, r.fwd_fmt, "row", b), out_dtype)
 
@@ -184,10 +201,16 @@ FUNCTIONS = {"e4m3": Fp8LinearFunction, "e2m1": Fp4LinearFunction, "int4_sym": I
 
 def lowbit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe,
                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The functional form: y = x Wᵀ + b with the recipe's low-bit GEMMs, forward and backward."""
-    fn = FUNCTIONS[recipe.fwd_fmt]
+    """The functional form: y = x Wᵀ + b with the recipe's low-bit GEMMs, forward and backward.
+
+    Eager: an autograd Function. Under torch.compile: the custom ops of nn/compiled.py, which Dynamo and
+    Inductor treat as opaque (same arithmetic; Inductor may schedule and recompute around them)."""
     if out_dtype is None:
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    if torch.compiler.is_compiling():
+        from .compiled import lowbit_linear_op
+        return lowbit_linear_op(x, weight, bias, recipe, out_dtype)
+    fn = FUNCTIONS[recipe.fwd_fmt]
     with torch.autocast(x.device.type, enabled=False):
         return fn.apply(x, weight, bias, recipe, out_dtype, torch.is_grad_enabled())

@@ -57,7 +57,7 @@ def quantize_operand_ref(x: torch.Tensor, fmt, granularity: str = "row", hadamar
         x = block_hadamard(x, hadamard_block)
     q = quantize(x, fmt, granularity)
     scale = q.scale.reshape(-1, 1) if granularity == "row" else q.scale.reshape(())
-    return Operand(q.values.to(container_dtype(fmt)), scale)
+    return Operand(q.values.to(container_dtype(fmt)).contiguous(), scale)  # x.t() would leave a transposed layout
 
 
 def use_kernels(x: torch.Tensor) -> bool:
