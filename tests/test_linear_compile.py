@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from lpoptim.nn import LowBitLinear
-from lpoptim.nn.compiled import _forward_op, _key, lowbit_linear_op
+from lpoptim.nn.compiled import _forward_op, lowbit_linear_op
 
 RECIPES = ["fp8", "fp8_tensor", "fp4", "int4", "int4_split"]
 
@@ -35,7 +35,7 @@ def test_custom_ops_compute_what_the_eager_function_does(recipe):
 def test_fake_implementations_match_the_real_ops(recipe):
     lin, m, _ = _layer(recipe)
     for want_xt in (True, False):
-        args = (torch.randn(37, 64), lin.weight.detach().requires_grad_(), lin.bias.detach(), _key(m.recipe),
+        args = (torch.randn(37, 64), lin.weight.detach().requires_grad_(), lin.bias.detach(), m.recipe.key,
                 torch.bfloat16, want_xt)
         # the schema and AOT tests sum and compare outputs, which torch cannot do for fp8 tensors on the CPU
         torch.library.opcheck(_forward_op, args, test_utils=("test_faketensor", "test_autograd_registration"))
@@ -84,3 +84,15 @@ def test_inductor_compiles_a_block_with_lowbit_linears(device):
         compiled = _mlp_grads(torch.compile(mlp, fullgraph=True), mlp, x)
     for a, b in zip(eager, compiled, strict=True):  # Inductor may round the SiLU between the GEMMs differently
         assert torch.nn.functional.cosine_similarity(a.flatten().float(), b.flatten().float(), dim=0) > 0.999
+
+
+def test_recipes_reach_the_ops_after_pickling_and_copying():
+    import copy
+    import pickle
+
+    from lpoptim.nn.recipes import BY_KEY, get_recipe
+
+    r = get_recipe("fp8_tensor", fast_accum=True)
+    BY_KEY.pop(r.key)  # as in a fresh process that unpickles a converted model
+    for again in (pickle.loads(pickle.dumps(r)), copy.deepcopy(r)):
+        assert again == r and again.key == r.key and BY_KEY[r.key] == r

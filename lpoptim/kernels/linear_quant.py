@@ -191,15 +191,19 @@ def _quant_tensor_kernel(x_ptr, amax_ptr, row_ptr, row_scale_ptr, col_ptr, col_s
                          C_EMIN: tl.constexpr, C_QMIN: tl.constexpr, C_QMAX: tl.constexpr, C_NATIVE: tl.constexpr,
                          C_E4M3: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ON_GPU: tl.constexpr):
-    """One read of a (BLOCK_R, BLOCK_C) tile of x, scaled by one per-tensor scale: written as rows (R, CP) and/or
-    transposed as columns (C, RP), zero-padded. The scales (amax / FMAX) are worked out from the finite absmax."""
+    """A (BLOCK_R, BLOCK_C) tile of x scaled by one per-tensor scale: written as rows (R, CP) and/or as columns,
+    transposed, (C, RP), zero-padded. The scales (amax / FMAX) are worked out from the finite absmax.
+
+    The columns' copy loads the tile again, transposed (from L1/L2: DRAM sees x once), so that each store runs
+    along its tile's own dimension 1, as the one-pass column quantizer does. Storing the rows' tile through
+    transposed addresses instead gave wrong codes for fp32 input on an H100 (triton 3.6), bf16 right."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    t = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c,
-                mask=(rows[:, None] < R) & (cols[None, :] < C), other=0.0).to(tl.float32)
     amax = tl.load(amax_ptr)
     first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
     if ROWS:
+        t = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c,
+                    mask=(rows[:, None] < R) & (cols[None, :] < C), other=0.0).to(tl.float32)
         scale = _absmax_scale(amax, R_FMAX)
         q = _quantize_tile(t, scale, R_FMAX, R_INT, R_MAN, R_EMIN, R_QMIN, R_QMAX, R_NATIVE, R_E4M3,
                            row_ptr.dtype.element_ty, ON_GPU)
@@ -208,11 +212,13 @@ def _quant_tensor_kernel(x_ptr, amax_ptr, row_ptr, row_scale_ptr, col_ptr, col_s
         if first:
             tl.store(row_scale_ptr, scale)
     if COLS:
+        t = tl.load(x_ptr + cols[:, None].to(tl.int64) * stride_c + rows[None, :].to(tl.int64) * stride_r,
+                    mask=(cols[:, None] < C) & (rows[None, :] < R), other=0.0).to(tl.float32)  # (BLOCK_C, BLOCK_R)
         scale = _absmax_scale(amax, C_FMAX)
         q = _quantize_tile(t, scale, C_FMAX, C_INT, C_MAN, C_EMIN, C_QMIN, C_QMAX, C_NATIVE, C_E4M3,
                            col_ptr.dtype.element_ty, ON_GPU)
-        tl.store(col_ptr + cols[None, :].to(tl.int64) * RP + rows[:, None], q,
-                 mask=(rows[:, None] < RP) & (cols[None, :] < C))
+        tl.store(col_ptr + cols[:, None].to(tl.int64) * RP + rows[None, :], q,
+                 mask=(cols[:, None] < C) & (rows[None, :] < RP))
         if first:
             tl.store(col_scale_ptr, scale)
 

@@ -7,7 +7,8 @@ their outputs' shapes, so Inductor compiles and schedules everything around them
 path's (functional.lowbit_forward / lowbit_backward) with one difference: the backward quantizes W's columns in
 two passes instead of taking the forward's column maxima (one small tensor fewer between the two ops).
 
-Recipes are frozen dataclasses, which custom ops cannot take: they travel as their repr, a key into RECIPES.
+Recipes are frozen dataclasses, which custom ops cannot take: they travel as ``Recipe.key`` (their repr), read
+back from recipes.BY_KEY.
 """
 import math
 from typing import Optional
@@ -16,17 +17,7 @@ import torch
 
 from .functional import _flat, lowbit_backward, lowbit_forward
 from .operands import Operand, container_dtype, padded
-from .recipes import Recipe
-
-RECIPES: dict[str, Recipe] = {}  # repr(recipe) -> recipe: how the ops receive one
-
-
-@torch._dynamo.assume_constant_result  # run while tracing; the key is a constant of the graph
-def _key(recipe: Recipe) -> str:
-    key = repr(recipe)
-    RECIPES.setdefault(key, recipe)
-    return key
-
+from .recipes import BY_KEY, Recipe
 
 def xt_layout(tokens, in_features, r: Recipe) -> tuple:
     """(values shape, values dtype, scale shape) of the xᵀ operand the forward saves for dW."""
@@ -39,7 +30,7 @@ def xt_layout(tokens, in_features, r: Recipe) -> tuple:
 @torch.library.custom_op("lpoptim::lowbit_linear", mutates_args=())
 def _forward_op(x2: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], recipe: str, out_dtype: torch.dtype,
                 want_xt: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    y, xt, _w_col_max = lowbit_forward(x2, w, bias, RECIPES[recipe], out_dtype, want_xt)
+    y, xt, _w_col_max = lowbit_forward(x2, w, bias, BY_KEY[recipe], out_dtype, want_xt)
     if xt is None:
         return y, x2.new_empty(0, dtype=torch.float8_e4m3fn), x2.new_empty(0, dtype=torch.float32)
     return y, xt.values, xt.scale
@@ -50,7 +41,7 @@ def _(x2, w, bias, recipe, out_dtype, want_xt):
     y = x2.new_empty((x2.shape[0], w.shape[0]), dtype=out_dtype)
     if not want_xt:
         return y, x2.new_empty(0, dtype=torch.float8_e4m3fn), x2.new_empty(0, dtype=torch.float32)
-    shape, dtype, scale = xt_layout(x2.shape[0], x2.shape[1], RECIPES[recipe])
+    shape, dtype, scale = xt_layout(x2.shape[0], x2.shape[1], BY_KEY[recipe])
     return y, x2.new_empty(shape, dtype=dtype), x2.new_empty(scale, dtype=torch.float32)
 
 
@@ -59,7 +50,7 @@ def _backward_op(g2: torch.Tensor, w: torch.Tensor, xt_values: torch.Tensor, xt_
                  need_dx: bool, need_dw: bool, need_db: bool, x_dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     xt = Operand(xt_values, xt_scale) if need_dw else None
-    dx, dw, db = lowbit_backward(g2, w, xt, None, RECIPES[recipe], need_dx, need_dw, need_db, x_dtype)
+    dx, dw, db = lowbit_backward(g2, w, xt, None, BY_KEY[recipe], need_dx, need_dw, need_db, x_dtype)
     empty = g2.new_empty(0)
     return (empty if dx is None else dx), (empty if dw is None else dw), (empty if db is None else db)
 
@@ -96,5 +87,5 @@ def lowbit_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     """functional.lowbit_linear through the custom ops (what it calls under torch.compile)."""
     want_xt = torch.is_grad_enabled() and weight.requires_grad
     with torch.autocast(x.device.type, enabled=False):
-        y, _values, _scale = _forward_op(_flat(x), weight, bias, _key(recipe), out_dtype, want_xt)
+        y, _values, _scale = _forward_op(_flat(x), weight, bias, recipe.key, out_dtype, want_xt)
     return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -36,8 +36,23 @@ class Recipe:
     occ_sample: int = 1 << 20      # the quantile is estimated on at most this many evenly strided elements
     native_fp4: bool = False       # fp4_block=32 on sm_100: real FP4 tensor cores (untested, see native_fp4.py)
 
+    def __post_init__(self):
+        self._register()
+
+    def __setstate__(self, state):  # unpickled and deep-copied recipes are registered too
+        self.__dict__.update(state)
+        self._register()
+
+    def _register(self):
+        """``key``: the recipe as a string, what the compiled path's custom ops take (nn/compiled.py)."""
+        object.__setattr__(self, "key", repr(self))
+        BY_KEY.setdefault(self.key, self)
+
     def with_(self, **kw) -> "Recipe":
         return replace(self, **kw)
+
+
+BY_KEY: dict[str, Recipe] = {}  # Recipe.key -> recipe
 
 
 FP8 = Recipe("fp8")
