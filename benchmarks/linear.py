@@ -109,6 +109,9 @@ def layer_benchmarks(args, device, dtype, cuda):
                                  lambda r=r: torch.compile(torchao_float8(base, r))))
         for label, recipe, kw in RECIPES:
             variants.append((label, lambda recipe=recipe, kw=kw: LowBitLinear.from_linear(base, recipe, **kw)))
+        if not args.small:  # the fp8 recipes compiled: Inductor generates and fuses their quantizers
+            for label, recipe in (("lpoptim fp8 (row) compiled", "fp8"), ("lpoptim fp8 (tensor) compiled", "fp8_tensor")):
+                variants.append((label, lambda recipe=recipe: torch.compile(LowBitLinear.from_linear(base, recipe))))
         for label, build in variants:
             row = {"shape": f"{k}->{n}", "tokens": m, "variant": label}
             try:

@@ -203,12 +203,17 @@ def lowbit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The functional form: y = x Wᵀ + b with the recipe's low-bit GEMMs, forward and backward.
 
-    Eager: an autograd Function. Under torch.compile: the custom ops of nn/compiled.py, which Dynamo and
-    Inductor treat as opaque (same arithmetic; Inductor may schedule and recompute around them)."""
+    Eager: an autograd Function with lpoptim's Triton quantizers. Under torch.compile the fp8 recipes trace the
+    same Function through the reference's torch ops (Inductor generates and fuses the quantizers; its fp32
+    division may differ from the correctly rounded one by an ulp, moving a code at a rounding boundary), the
+    others call the custom ops of nn/compiled.py, which Dynamo and Inductor treat as opaque."""
     if out_dtype is None:
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-    if torch.compiler.is_compiling():
+    # compiled: the fp8 recipes are traced (reference torch ops that Inductor fuses with their neighbours, no
+    # Python launches); the others run as opaque custom ops (OCC's sparse residual and the power-of-two blocks do
+    # not compile)
+    if torch.compiler.is_compiling() and recipe.fwd_fmt != "e4m3":
         from .compiled import lowbit_linear_op
         return lowbit_linear_op(x, weight, bias, recipe, out_dtype)
     fn = FUNCTIONS[recipe.fwd_fmt]

@@ -61,7 +61,9 @@ def quantize_operand_ref(x: torch.Tensor, fmt, granularity: str = "row", hadamar
 
 
 def use_kernels(x: torch.Tensor) -> bool:
-    return x.is_cuda
+    """lpoptim's Triton kernels for CUDA tensors in eager mode; under torch.compile the reference's torch ops,
+    which Inductor fuses into its own kernels (and into the ops around them)."""
+    return x.is_cuda and not torch.compiler.is_compiling()
 
 
 def quantize_operand(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block: int | None = None,
@@ -202,6 +204,11 @@ def gemm(a: Operand, b: Operand, out_dtype: torch.dtype = torch.float32, fast_ac
     ``fast_accum`` changes nothing there).
     """
     sa, sb = _scales(a, b)
+    if a.values.is_cuda and torch.compiler.is_compiling():  # no fallback to trace: Inductor compiles the call
+        rowwise = sa.dim() == 2
+        return torch._scaled_mm(a.values, b.values.t(), scale_a=sa, scale_b=sb,
+                                out_dtype=torch.bfloat16 if rowwise else out_dtype,
+                                use_fast_accum=fast_accum).to(out_dtype)
     if a.values.is_cuda:
         rowwise = sa.dim() == 2
         try:
