@@ -111,7 +111,9 @@ def layer_benchmarks(args, device, dtype, cuda):
             variants.append((label, lambda recipe=recipe, kw=kw: LowBitLinear.from_linear(base, recipe, **kw)))
         if not args.small:  # the fp8 recipes compiled: Inductor generates and fuses their quantizers
             for label, recipe in (("lpoptim fp8 (row) compiled", "fp8"), ("lpoptim fp8 (tensor) compiled", "fp8_tensor")):
-                variants.append((label, lambda recipe=recipe: torch.compile(LowBitLinear.from_linear(base, recipe))))
+                # a fresh Dynamo per layer width: torch 2.11 cannot retrace these with symbolic feature dims
+                variants.append((label, lambda recipe=recipe: (torch._dynamo.reset(), torch.compile(
+                    LowBitLinear.from_linear(base, recipe)))[1]))
         for label, build in variants:
             row = {"shape": f"{k}->{n}", "tokens": m, "variant": label}
             try:

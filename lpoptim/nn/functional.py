@@ -88,7 +88,8 @@ class _LowBitLinearFunction(torch.autograd.Function):
         # grad mode is off inside forward: the caller says whether a backward can follow (no xᵀ under no_grad)
         want_xt = grad_enabled and w.requires_grad
         y, xt, ctx.w_col_max = lowbit_forward(_flat(x), w, bias, r, out_dtype, want_xt)
-        ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.has_bias = r, x.shape, x.dtype, bias is not None
+        # no x.shape on ctx: a symbolic shape there breaks torch 2.11's Dynamo (gy has x's leading dims)
+        ctx.recipe, ctx.x_dtype, ctx.has_bias = r, x.dtype, bias is not None
         ctx.save_for_backward(w, *((xt.values, xt.scale) if xt is not None else ()))
         return y.reshape(*x.shape[:-1], w.shape[0])
 
@@ -98,7 +99,7 @@ class _LowBitLinearFunction(torch.autograd.Function):
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dx, dw, db = lowbit_backward(_flat(gy), w, Operand(*saved) if saved else None, ctx.w_col_max, ctx.recipe,
                                      need_dx, need_dw, need_db and ctx.has_bias, ctx.x_dtype)
-        return None if dx is None else dx.reshape(ctx.x_shape), dw, db, None, None, None
+        return None if dx is None else dx.reshape(*gy.shape[:-1], w.shape[1]), dw, db, None, None, None
 
 
 def lowbit_forward(x2, w, bias, r: Recipe, out_dtype: torch.dtype, want_xt: bool):
@@ -211,8 +212,9 @@ def lowbit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     # compiled: the fp8 recipes are traced (reference torch ops that Inductor fuses with their neighbours, no
-    # Python launches); the others run as opaque custom ops (OCC's sparse residual and the power-of-two blocks do
-    # not compile)
+    # Python launches); the others run as opaque custom ops. torch 2.11's Dynamo fails an assertion when it
+    # retraces the Function with feature dims made symbolic (one compiled function seeing several layer widths);
+    # torch 2.13 does not (tests/test_linear_compile.py)
     if torch.compiler.is_compiling() and recipe.fwd_fmt != "e4m3":
         from .compiled import lowbit_linear_op
         return lowbit_linear_op(x, weight, bias, recipe, out_dtype)
