@@ -10,6 +10,7 @@ the gap between the two.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -58,10 +59,13 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--rows", type=int, default=30)
+    ap.add_argument("--n-layer", type=int, help="override the preset's number of layers (a shorter profile)")
     ap.add_argument("--out", type=Path, default=Path("results/profile"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     cfg = PRESETS[args.preset]
+    if args.n_layer:
+        cfg = dataclasses.replace(cfg, n_layer=args.n_layer)
     batch, seq = args.batch or DEFAULT_SHAPE[args.preset][0], args.seq or DEFAULT_SHAPE[args.preset][1]
     for name in args.recipes.split(","):
         stack = stack_of(name)
