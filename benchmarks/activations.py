@@ -6,8 +6,8 @@
 In one run, on the same block and inputs (bf16 parameters and activations):
   bf16 eager | bf16 torch.compile | bf16 full recompute (torch.utils.checkpoint, non-reentrant) |
   lpoptim.compress_activations: default (attention kept bf16, COAT's choice), attention in FP8, recompute=True,
-  compile-then-wrap | with lpoptim.nn.convert_linears(recipe="fp8") when importable: linears alone, + activations,
-  + activations + compile.
+  compile-then-wrap | with lpoptim.nn.convert_linears(recipe=--linear-recipe, default fp8_tensor) when importable:
+  linears alone (eager and compiled), + activations, + activations + compile.
 Saved MiB: allocator bytes held after forward (output excluded), on CUDA; "hooks MiB" is what the saved-tensor
 hooks saw (lpoptim's accounting: lpoptim.activations.record_saved for the unwrapped variants, handle.record() for
 the wrapped ones). Time: CUDA events around forward+backward after warm-up, median of --iters, two inputs
@@ -202,6 +202,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--only", default=None, help="comma-separated variant names")
+    ap.add_argument("--linear-recipe", default="fp8_tensor", help="convert_linears recipe of the FP8-linear variants")
     args = ap.parse_args(argv)
 
     if args.small:
@@ -227,7 +228,7 @@ def main(argv=None):
 
     def fp8_block():
         blk = copy.deepcopy(block)
-        convert_linears(blk, recipe="fp8")
+        convert_linears(blk, recipe=args.linear_recipe)
         return blk
 
     # name: (build -> (callable, module holding the parameters, handle or None), FP8 GEMMs?)
@@ -260,6 +261,7 @@ def main(argv=None):
     if convert_linears is not None:
         variants |= {
             "fp8 linears": ((lambda: (lambda m: (m, m, None))(fp8_block())), True),
+            "fp8 linears compiled": ((lambda: (lambda m: (torch.compile(m), m, None))(fp8_block())), True),
             "fp8 linears + lpoptim": (v_lp(fp8_block), True),
             "fp8 linears + lpoptim compiled": (v_lp(fp8_block, compile_=True), True),
             "fp8 linears + lpoptim recompute": (v_lp(fp8_block, recompute=True), True),
