@@ -266,6 +266,16 @@ def main(argv=None):
             "fp8 linears + lpoptim compiled": (v_lp(fp8_block, compile_=True), True),
             "fp8 linears + lpoptim recompute": (v_lp(fp8_block, recompute=True), True),
         }
+    try:
+        from torchao.float8 import convert_to_float8_training
+
+        def v_torchao():  # torchao's float8 training (tensorwise), compiled: issue 4's off-the-shelf comparison
+            blk = convert_to_float8_training(copy.deepcopy(block))
+            return torch.compile(blk), blk, None
+
+        variants["torchao float8 compiled"] = (v_torchao, True)
+    except Exception as e:  # noqa: BLE001
+        print(f"torchao float8 not importable ({type(e).__name__}: {e}); its variant skipped")
     if args.no_compile:
         variants = {k: v for k, v in variants.items() if "compiled" not in k}
     if args.only:
