@@ -139,3 +139,19 @@ def test_per_tensor_with_nothing_to_read_sets_scale_one():
     rows, cols = lq.quantize_tensor_rows_cols(torch.zeros(0, 37), "e4m3", "e5m2", 48, 0)
     assert rows[0].shape == (0, 48) and cols[0].shape == (37, 0)
     assert rows[1].item() == 1.0 and cols[1].item() == 1.0
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_per_tensor_pair_reference_rounds_once_with_the_same_bits(fmt):
+    """The reference path (CPU, and what torch.compile traces) of x and xᵀ per tensor in one format takes xᵀ's
+    codes from x's: the same bits as quantizing x.t() on its own."""
+    from lpoptim.nn.operands import quantize_operand_and_transpose
+
+    x = _x(37, 50, False)
+    x[3, 4], x[5, 6] = float("inf"), float("nan")
+    a, b = quantize_operand_and_transpose(x, fmt, fmt, granularity="tensor")
+    for op, ref in ((a, quantize_operand_ref(x, fmt, "tensor", None, 64)),
+                    (b, quantize_operand_ref(x.t(), fmt, "tensor", None, 48))):
+        assert op.values.shape == ref.values.shape and op.values.is_contiguous()
+        assert torch.equal(op.values.float().nan_to_num(7.0), ref.values.float().nan_to_num(7.0))
+        assert torch.equal(op.scale, ref.scale)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import E2M1, E4M3, E5M2, FloatFormat, IntFormat, get_format, round_to_grid
-from ..quant import finite_absmax, from_groups, pow2_block_exponent, quantize, to_groups
+from ..quant import absmax_scale, finite_absmax, from_groups, pow2_block_exponent, quantize, to_groups
 from .hadamard import block_hadamard
 
 # Two INT4 halves of an 8-bit integer: q = 16·hi + lo with hi in -7..7, lo in -8..7 (see split_int8).
@@ -103,6 +103,20 @@ def quantize_operand_and_transpose(x: torch.Tensor, row_fmt, col_fmt, pad_to: in
         else:
             rows, cols = lq.quantize_rows_and_cols(x, get_format(row_fmt), get_format(col_fmt), row_cols, col_cols)
         return Operand(*rows), Operand(*cols)
+    if granularity == "tensor" and get_format(row_fmt) is get_format(col_fmt):
+        # one scale and one grid: xᵀ's codes are x's, transposed; rounded once (what Inductor compiles: one
+        # reduction, then one pass writing both copies, as torchao's transposed FP8 copy)
+        fmt = get_format(row_fmt)
+        x32 = x.float()
+        scale = absmax_scale(finite_absmax(x32), fmt).reshape(())
+        y = x32 / scale
+        if x.is_cuda and fmt in (E4M3, E5M2):  # compiling: the cast itself rounds to nearest even (as the kernels)
+            q = y.clamp(-fmt.max, fmt.max)
+        else:
+            q = round_to_grid(y, fmt)
+        dtype = container_dtype(fmt)
+        return (Operand(F.pad(q, (0, row_cols - x.shape[1])).to(dtype), scale),
+                Operand(F.pad(q.t(), (0, col_cols - x.shape[0])).to(dtype).contiguous(), scale))
     return (quantize_operand(x, row_fmt, granularity, None, pad_to),
             quantize_operand(x.t(), col_fmt, granularity, None, pad_to))
 
