@@ -10,7 +10,8 @@ Stacks: ``bf16`` (torch AdamW, fused on CUDA), ``torch-bf16`` (the same on bf16 
 head and loss chunk by chunk: lpoptim.nn.linear_cross_entropy), ``+rec`` (FP8 block inputs, blocks recomputed in
 backward), ``lpoptim+act`` (and
 compress_activations on every block), ``lpoptim+fp8+act`` / ``+fp4+act`` / ``+int4+act`` (and convert_linears),
-``+fp8`` / ``+fp8t`` (fp8 linears scaled per row / per tensor, no activation hooks),
+``+fp8`` / ``+fp8t`` / ``+fp8tf`` (fp8 linears scaled per row / per tensor / per tensor with the forward GEMM's
+fast accumulation; no activation hooks),
 ``bnb`` (bitsandbytes AdamW8bit) and ``torchao`` (torchao float8 linears + AdamWFp8), the last two on CUDA only.
 With ``--compile`` any recipe may end in ``+sacNN``: Inductor's partitioner then keeps NN% of the activations the
 compiled block would save and recomputes the rest (torch._functorch.config.activation_memory_budget).
@@ -75,6 +76,9 @@ STACKS = {
                                      label="lpoptim.AdamW bf16 SR, step in bwd, fp8 linears (per row), chunked loss"),
     "lpoptim-bf16+fp8t+bwd+ce": Stack("lpoptim", "fp8_tensor", in_backward=True, master="bf16", chunked_loss=True,
                                       label="lpoptim.AdamW bf16 SR, step in bwd, fp8 linears (per tensor), chunked loss"),
+    "lpoptim-bf16+fp8tf+bwd+ce": Stack("lpoptim", "fp8_tensor_fast", in_backward=True, master="bf16", chunked_loss=True,
+                                       label="lpoptim.AdamW bf16 SR, step in bwd, fp8 linears (per tensor, fast accumulation "
+                                             "in the forward), chunked loss"),
     "lpoptim-bf16+rec+bwd+ce": Stack("lpoptim", compress=True, in_backward=True, master="bf16", chunked_loss=True,
                                      recompute=True,
                                      label="lpoptim.AdamW bf16 SR, step in bwd, FP8 block inputs + recompute, chunked loss"),

@@ -57,12 +57,13 @@ BY_KEY: dict[str, Recipe] = {}  # Recipe.key -> recipe
 
 FP8 = Recipe("fp8")
 FP8_TENSOR = Recipe("fp8_tensor", granularity="tensor")
+FP8_TENSOR_FAST = Recipe("fp8_tensor_fast", granularity="tensor", fast_accum=True)  # torchao's tensorwise default
 FP4 = Recipe("fp4", fwd_fmt="e2m1", dge_k=5.0, dge_cap=3.0, occ_alpha=0.99)
 FP4_BLOCK = Recipe("fp4_block32", fwd_fmt="e2m1", fp4_block=32, dge_k=5.0, dge_cap=3.0, occ_alpha=0.99)
 INT4 = Recipe("int4", fwd_fmt="int4_sym", hadamard_block=128)
 INT4_SPLIT = Recipe("int4_split", fwd_fmt="int4_sym", hadamard_block=128, backward="int4split")
 
-RECIPES = {r.name: r for r in (FP8, FP8_TENSOR, FP4, FP4_BLOCK, INT4, INT4_SPLIT)}
+RECIPES = {r.name: r for r in (FP8, FP8_TENSOR, FP8_TENSOR_FAST, FP4, FP4_BLOCK, INT4, INT4_SPLIT)}
 
 
 def get_recipe(recipe: str | Recipe, **overrides) -> Recipe:
