@@ -202,25 +202,28 @@ def _quant_tensor_kernel(x_ptr, amax_ptr, row_ptr, row_scale_ptr, col_ptr, col_s
     amax = tl.load(amax_ptr)
     first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
     if ROWS:
-        t = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c,
-                    mask=(rows[:, None] < R) & (cols[None, :] < C), other=0.0).to(tl.float32)
-        scale = _absmax_scale(amax, R_FMAX)
-        q = _quantize_tile(t, scale, R_FMAX, R_INT, R_MAN, R_EMIN, R_QMIN, R_QMAX, R_NATIVE, R_E4M3,
-                           row_ptr.dtype.element_ty, ON_GPU)
-        tl.store(row_ptr + rows[:, None].to(tl.int64) * CP + cols[None, :], q,
-                 mask=(rows[:, None] < R) & (cols[None, :] < CP))
-        if first:
-            tl.store(row_scale_ptr, scale)
+        _quantize_store(x_ptr, rows, cols, stride_r, stride_c, R, C, row_ptr, CP, row_scale_ptr, amax, first,
+                        R_FMAX, R_INT, R_MAN, R_EMIN, R_QMIN, R_QMAX, R_NATIVE, R_E4M3, ON_GPU)
     if COLS:
-        t = tl.load(x_ptr + cols[:, None].to(tl.int64) * stride_c + rows[None, :].to(tl.int64) * stride_r,
-                    mask=(cols[:, None] < C) & (rows[None, :] < R), other=0.0).to(tl.float32)  # (BLOCK_C, BLOCK_R)
-        scale = _absmax_scale(amax, C_FMAX)
-        q = _quantize_tile(t, scale, C_FMAX, C_INT, C_MAN, C_EMIN, C_QMIN, C_QMAX, C_NATIVE, C_E4M3,
-                           col_ptr.dtype.element_ty, ON_GPU)
-        tl.store(col_ptr + cols[:, None].to(tl.int64) * RP + rows[None, :], q,
-                 mask=(cols[:, None] < C) & (rows[None, :] < RP))
-        if first:
-            tl.store(col_scale_ptr, scale)
+        _quantize_store(x_ptr, cols, rows, stride_c, stride_r, C, R, col_ptr, RP, col_scale_ptr, amax, first,
+                        C_FMAX, C_INT, C_MAN, C_EMIN, C_QMIN, C_QMAX, C_NATIVE, C_E4M3, ON_GPU)
+
+
+@triton.jit
+def _quantize_store(x_ptr, a, b, stride_a, stride_b, A, B, out_ptr, OUT_W, scale_ptr, amax, first,
+                    FMAX: tl.constexpr, IS_INT: tl.constexpr, MAN: tl.constexpr, EMIN: tl.constexpr,
+                    QMIN: tl.constexpr, QMAX: tl.constexpr, NATIVE: tl.constexpr, CONTAINER_E4M3: tl.constexpr,
+                    ON_GPU: tl.constexpr):
+    """The tile x[a, b] (x is (A, B) along these indices) scaled by amax / FMAX, stored as out[a, b] in rows of
+    OUT_W (zeros past B); ``first`` also stores the scale."""
+    t = tl.load(x_ptr + a[:, None].to(tl.int64) * stride_a + b[None, :].to(tl.int64) * stride_b,
+                mask=(a[:, None] < A) & (b[None, :] < B), other=0.0).to(tl.float32)
+    scale = _absmax_scale(amax, FMAX)
+    q = _quantize_tile(t, scale, FMAX, IS_INT, MAN, EMIN, QMIN, QMAX, NATIVE, CONTAINER_E4M3,
+                       out_ptr.dtype.element_ty, ON_GPU)
+    tl.store(out_ptr + a[:, None].to(tl.int64) * OUT_W + b[None, :], q, mask=(a[:, None] < A) & (b[None, :] < OUT_W))
+    if first:
+        tl.store(scale_ptr, scale)
 
 
 def _grid_args(fmt, prefix: str, out: torch.Tensor) -> dict:
