@@ -37,6 +37,9 @@ PRESETS = {
 }
 
 
+LINEAR_ALIASES = {"fp8t": "fp8_tensor", "fp8tf": "fp8_tensor_fast"}  # as lpoptim bench names them
+
+
 def parse_run(name: str) -> dict:
     parts = name.split("+")
     if parts[0] not in ("torch", "lpoptim"):
@@ -45,12 +48,14 @@ def parse_run(name: str) -> dict:
     for p in parts[1:]:
         if p in ("fp8", "fp4", "int4"):
             run["recipe"] = p
+        elif p in LINEAR_ALIASES:
+            run["recipe"] = LINEAR_ALIASES[p]
         elif p == "act":
             run["compress"] = True
         elif p == "bf16":
             run["master"] = "bf16"
         else:
-            raise SystemExit(f"run {name!r}: unknown part {p!r} (fp8, fp4, int4, act, bf16)")
+            raise SystemExit(f"run {name!r}: unknown part {p!r} (fp8, fp8t, fp8tf, fp4, int4, act, bf16)")
     return run
 
 
