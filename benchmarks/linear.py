@@ -35,6 +35,8 @@ RECIPES = [  # (label, recipe, overrides)
     ("lpoptim fp4", "fp4", {}),
     ("lpoptim fp4 no OCC", "fp4", {"occ_alpha": None}),
     ("lpoptim int4 (fp8 bwd)", "int4", {}),
+    ("lpoptim int4 (fp8 bwd per tensor)", "int4", {"bwd_granularity": "tensor"}),
+    ("lpoptim fp4 no OCC, bwd per tensor", "fp4", {"occ_alpha": None, "bwd_granularity": "tensor"}),
     ("lpoptim int4 (split bwd)", "int4_split", {}),
 ]
 TARGETS = {"fp8": 1.45, "fp4": 1.3, "int4": 1.3}

@@ -156,6 +156,8 @@ BOUNDS = {  # recipe: (y, dx, dW)
     "fp4_block32": (0.10, 0.075, 0.09),
     "int4": (0.20, 0.075, 0.085),
     "int4_split": (0.20, 0.16, 0.16),
+    "int4/bwd_tensor": (0.20, 0.08, 0.09),  # the fp8 backward per tensor, as fp8_tensor's
+    "fp4/bwd_tensor": (0.10, 0.08, 0.09),
 }
 
 
@@ -172,11 +174,13 @@ def test_gradients_vs_fp32_linear(name):
     dx0, dw0, db0 = xr.grad, ref.weight.grad.clone(), ref.bias.grad.clone()
     ref.weight.grad = ref.bias.grad = None
 
-    m = LowBitLinear.from_linear(ref, name)
+    base, _, bwd = name.partition("/")
+    overrides = {"bwd_granularity": "tensor"} if bwd == "bwd_tensor" else {}
+    m = LowBitLinear.from_linear(ref, base, **overrides)
     xl = x.clone().requires_grad_()
     y = m(xl)
     y.backward(gy)
-    recipe = get_recipe(name)
+    recipe = get_recipe(base, **overrides)
     if recipe.dge_k:
         dw0 = dw0 * Fp4LinearFunction.weight_grad_factor(ref.weight.detach(), recipe)
     by, bdx, bdw = BOUNDS[name]
@@ -307,3 +311,13 @@ def test_fast_accum_is_refused_for_4bit_recipes():
     assert get_recipe("fp8_tensor", fast_accum=True).fast_accum
     with pytest.raises(ValueError, match="fast_accum"):
         get_recipe("fp4", fast_accum=True)
+
+
+def test_backward_granularity_is_validated_and_defaults_to_the_forward_one():
+    from lpoptim.nn import get_recipe
+
+    assert get_recipe("int4").backward_granularity == "row"
+    assert get_recipe("fp8_tensor").backward_granularity == "tensor"
+    assert get_recipe("int4", bwd_granularity="tensor").backward_granularity == "tensor"
+    with pytest.raises(ValueError, match="bwd_granularity"):
+        get_recipe("int4", bwd_granularity="group")

@@ -51,11 +51,13 @@ def test_scaled_mm_4bit_is_exact(fmt):
     assert err < 2.0 ** -18
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "fp8_tensor", "fp4", "int4", "int4_split"])
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_tensor", "fp4", "int4", "int4_split", "int4/bwd_tensor"])
 def test_layer_on_gpu_matches_cpu_reference(recipe):
     torch.manual_seed(0)
+    recipe, _, bwd = recipe.partition("/")
+    overrides = {"bwd_granularity": "tensor"} if bwd else {}
     lin = torch.nn.Linear(256, 512).cuda()
-    m = LowBitLinear.from_linear(lin, recipe)
+    m = LowBitLinear.from_linear(lin, recipe, **overrides)
     x = torch.randn(2, 100, 256, device="cuda", requires_grad=True)
     gy = torch.randn(2, 100, 512, device="cuda")
     n = len(FALLBACKS)
@@ -64,7 +66,7 @@ def test_layer_on_gpu_matches_cpu_reference(recipe):
     assert len(FALLBACKS) == n, FALLBACKS
     dx, dw = x.grad.clone(), lin.weight.grad.clone()
     xc = x.detach().to(torch.bfloat16).float().cpu().requires_grad_()  # the same values the GPU layer saw
-    mc = LowBitLinear.from_linear(torch.nn.Linear(256, 512), recipe)
+    mc = LowBitLinear.from_linear(torch.nn.Linear(256, 512), recipe, **overrides)
     mc.load_state_dict({k: v.cpu() for k, v in lin.state_dict().items()})
     yc = mc(xc)
     yc.backward(gy.to(torch.bfloat16).float().cpu())

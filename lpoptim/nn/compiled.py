@@ -23,7 +23,7 @@ def xt_layout(tokens, in_features, r: Recipe) -> tuple:
     """(values shape, values dtype, scale shape) of the xᵀ operand the forward saves for dW."""
     if r.backward == "int4split":
         return (in_features, padded(tokens, math.lcm(16, r.hadamard_block or 1))), torch.float8_e4m3fn, (in_features, 1)
-    scale = (in_features, 1) if r.granularity == "row" else ()
+    scale = (in_features, 1) if r.backward_granularity == "row" else ()
     return (in_features, padded(tokens, 16)), container_dtype(r.bwd_fmt), scale
 
 

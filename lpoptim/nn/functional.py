@@ -30,21 +30,21 @@ def _save_x_for_dw(x2: torch.Tensor, r: Recipe) -> Operand:
     """x (M, K) -> xᵀ (K, M padded) quantized along tokens: the dW GEMM's second operand."""
     if r.backward == "int4split":
         return quantize_operand(x2.t(), "int4_sym", "row", r.hadamard_block)
-    return quantize_operand(x2.t(), r.bwd_fmt, r.granularity)
+    return quantize_operand(x2.t(), r.bwd_fmt, r.backward_granularity)
 
 
 def _fp8_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, dx_dtype, dw_dtype, w_col_max=None):
     dx = dw = None
     gq = gt = None
     if need_dx and need_dw:  # dy and dyᵀ: two passes over dy, not three (or four, per tensor)
-        gq, gt = quantize_operand_and_transpose(g2, r.grad_fmt, r.grad_fmt, granularity=r.granularity)
+        gq, gt = quantize_operand_and_transpose(g2, r.grad_fmt, r.grad_fmt, granularity=r.backward_granularity)
     if need_dx:
-        gq = gq or quantize_operand(g2, r.grad_fmt, r.granularity)    # (M, N)
+        gq = gq or quantize_operand(g2, r.grad_fmt, r.backward_granularity)    # (M, N)
         wt = (quantize_transpose_from_max(w, r.bwd_fmt, w_col_max) if w_col_max is not None  # one pass
-              else quantize_operand(w.t(), r.bwd_fmt, r.granularity))  # (K, N): W per input channel
+              else quantize_operand(w.t(), r.bwd_fmt, r.backward_granularity))  # (K, N): W per input channel
         dx = gemm(gq, wt, dx_dtype)
     if need_dw:
-        gt = gt or quantize_operand(g2.t(), r.grad_fmt, r.granularity)  # (N, M padded like xt)
+        gt = gt or quantize_operand(g2.t(), r.grad_fmt, r.backward_granularity)  # (N, M padded like xt)
         dw = gemm(gt, xt, dw_dtype)
     return dx, dw
 
@@ -143,7 +143,7 @@ class Fp8LinearFunction(_LowBitLinearFunction):
 
     @staticmethod
     def forward_gemm_and_xt(x2, w, r, out_dtype):
-        if r.backward == "int4split":
+        if r.backward == "int4split" or r.backward_granularity != r.granularity:
             return None, None, None
         # x for the forward and xᵀ for dW, in two passes over x
         xq, xt = quantize_operand_and_transpose(x2, r.fwd_fmt, r.bwd_fmt, granularity=r.granularity)

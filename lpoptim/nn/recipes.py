@@ -27,6 +27,9 @@ class Recipe:
     grad_fmt: str = "e5m2"         # output gradient dy
     bwd_fmt: str = "e4m3"          # W in the dx GEMM and the saved x in the dW GEMM
     backward: str = "fp8"          # "fp8", or (int4 only) "int4split": dy as INT8 split into two INT4 halves
+    # scaling of the fp8 backward's operands (dy, W, the saved x); None: as ``granularity``. "tensor" sends both
+    # backward GEMMs to the tensor-wise FP8 kernel, faster on Hopper than the row-wise one
+    bwd_granularity: str | None = None
     fast_accum: bool = False       # fp8 forward GEMM with Hopper's fast accumulation (torchao's default there)
     # fp4 (Wang et al. 2025, arXiv 2501.17116)
     fp4_block: int | None = None   # None: per-token/per-channel scales; 32: blocks with power-of-two scales
@@ -47,6 +50,10 @@ class Recipe:
         """``key``: the recipe as a string, what the compiled path's custom ops take (nn/compiled.py)."""
         object.__setattr__(self, "key", repr(self))
         BY_KEY.setdefault(self.key, self)
+
+    @property
+    def backward_granularity(self) -> str:
+        return self.bwd_granularity or self.granularity
 
     def with_(self, **kw) -> "Recipe":
         return replace(self, **kw)
@@ -78,6 +85,8 @@ def get_recipe(recipe: str | Recipe, **overrides) -> Recipe:
         raise ValueError(f"fwd_fmt must be 'e4m3', 'e2m1' or 'int4_sym', got {recipe.fwd_fmt!r}")
     if recipe.granularity not in ("row", "tensor"):
         raise ValueError(f"granularity must be 'row' or 'tensor', got {recipe.granularity!r}")
+    if recipe.bwd_granularity not in (None, "row", "tensor"):
+        raise ValueError(f"bwd_granularity must be None, 'row' or 'tensor', got {recipe.bwd_granularity!r}")
     if recipe.backward not in ("fp8", "int4split"):
         raise ValueError(f"backward must be 'fp8' or 'int4split', got {recipe.backward!r}")
     if recipe.fast_accum and recipe.fwd_fmt != "e4m3":
