@@ -34,8 +34,8 @@ RECIPES = [  # (label, recipe, overrides)
     ("lpoptim fp8 (tensor, fast accum fwd)", "fp8_tensor", {"fast_accum": True}),
     ("lpoptim fp4", "fp4", {}),
     ("lpoptim fp4 no OCC", "fp4", {"occ_alpha": None}),
-    ("lpoptim int4 (fp8 bwd)", "int4", {}),
-    ("lpoptim int4 (fp8 bwd per tensor)", "int4", {"bwd_granularity": "tensor"}),
+    ("lpoptim int4 (fp8 bwd per tensor)", "int4", {}),
+    ("lpoptim int4 (fp8 bwd per row)", "int4", {"bwd_granularity": "row"}),
     ("lpoptim fp4 no OCC, bwd per tensor", "fp4", {"occ_alpha": None, "bwd_granularity": "tensor"}),
     ("lpoptim int4 (split bwd)", "int4_split", {}),
 ]

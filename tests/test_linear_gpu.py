@@ -51,11 +51,11 @@ def test_scaled_mm_4bit_is_exact(fmt):
     assert err < 2.0 ** -18
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "fp8_tensor", "fp4", "int4", "int4_split", "int4/bwd_tensor"])
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_tensor", "fp4", "int4", "int4_split", "int4/bwd_row"])
 def test_layer_on_gpu_matches_cpu_reference(recipe):
     torch.manual_seed(0)
     recipe, _, bwd = recipe.partition("/")
-    overrides = {"bwd_granularity": "tensor"} if bwd else {}
+    overrides = {"bwd_granularity": bwd.removeprefix("bwd_")} if bwd else {}
     lin = torch.nn.Linear(256, 512).cuda()
     m = LowBitLinear.from_linear(lin, recipe, **overrides)
     x = torch.randn(2, 100, 256, device="cuda", requires_grad=True)
