@@ -127,7 +127,9 @@ def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, R, C, CP, s
 # benchmarks/quant_tune.py (docs/results/console_h100.md): rows 1.19-1.40 TB/s (was 0.95-1.26 with 32 x 128),
 # from_max 1.20-1.86 TB/s.
 TUNING = {"rows": dict(block_r=16, block_c=256, num_warps=4), "from_max": dict(block_r=64, block_c=128, num_warps=4),
-          "tensor": dict(block_r=32, block_c=128, num_warps=8)}  # swept on the kernel's first version: 1.18-1.46 TB/s (64 x 64: 1.02-1.27)
+          # per tensor, swept on the kernel's first version (quant_tune --modes tensor): 1.18-1.46 TB/s (64 x 64:
+          # 1.02-1.27); not swept again since the columns' copy loads its own tile
+          "tensor": dict(block_r=32, block_c=128, num_warps=8)}
 
 
 def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block: int | None = None,
