@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU must check and time, in one call (the device tool runs it from the repository root):
-#   bash benchmarks/run_all.sh [what...]      what: tests optim activations linear train bench (default: the first four)
+#   bash benchmarks/run_all.sh [what...]      what: tests optim activations linear train bench records
+#                                            (default: the first four)
 # Installs carried wheels (.whl/, bitsandbytes and torchao) into /tmp/site when present, writes JSON under $OUT.
 set -u
 cd "$(dirname "$0")/.."
@@ -25,6 +26,13 @@ for w in $what; do
     linear) [ -f benchmarks/linear.py ] && python3 benchmarks/linear.py --out "$OUT/linear.json" ;;
     train) python3 -m lpoptim train --out "$OUT" ;;
     bench) python3 -m lpoptim bench --out "$OUT" ;;
+    records)  # issue 7's record stacks with their baselines (about 8 minutes on an H100)
+      python3 -m lpoptim bench --preset tinyllama-1.1b --compile --steps 8 --out "$OUT/tinyllama" \
+        --recipes bf16,lpoptim-bf16+bwd+ce+sac70,lpoptim-bf16+fp8t+bwd+ce+sac100
+      python3 -m lpoptim bench --preset llama2-7b --compile --steps 8 --out "$OUT/llama2_7b" \
+        --recipes torch-bf16,lpoptim-bf16+fp8tf+bwd+ce+sac50,lpoptim-bf16+fp8tf+bwd+ce+sac55
+      python3 -m lpoptim bench --preset llama2-13b --compile --steps 5 --out "$OUT/llama2_13b" \
+        --recipes lpoptim-bf16+fp8tf+bwd+ce+sac40,lpoptim-bf16+fp8tf+bwd+ce+sac60 ;;
     *) python3 $w ;;
   esac
 done
