@@ -20,6 +20,11 @@ from lpoptim.formats import E4M3  # noqa: E402
 from lpoptim.kernels import linear_quant as lq  # noqa: E402
 
 
+# (rows per program, columns per tile) swept per mode
+TILES = {"rows": ((16, 32, 64), (128, 256, 512)), "from_max": ((16, 32, 64), (128, 256, 512)),
+         "tensor": ((32, 64, 128), (64, 128, 256))}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--modes", default="rows,from_max,tensor")
@@ -29,24 +34,22 @@ def main():
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         col_max = torch.zeros(k, device="cuda", dtype=torch.int32)
         lq.quantize_rows(x, E4M3, "row", None, k, col_max=col_max)  # the column maxima the column pass reads
-        tiles = itertools.product((16, 32, 64, 128), (64, 128, 256, 512), (4, 8))
-        for mode, (br, bc, nw) in itertools.product(modes, list(tiles)):
-            if br * bc // (32 * nw) > 128:  # fp32 tile elements per thread: beyond this it spills
-                continue
-            if (mode == "tensor") != (br >= 32 and bc <= 256) or (mode != "tensor" and (br > 64 or bc < 128)):
-                continue  # the grid each mode was swept over
-            lq.TUNING[mode] = dict(block_r=br, block_c=bc, num_warps=nw)
-            nbytes = x.numel() * (4 if mode == "tensor" else 3)
-            if mode == "rows":
-                fn = lambda: lq.quantize_rows(x, E4M3, "row", None, k)  # noqa: E731
-            elif mode == "tensor":
-                fn = lambda: lq.quantize_tensor_rows_cols(x, E4M3, E4M3, k, m)  # noqa: E731
-            else:
-                fn = lambda: lq.quantize_rows(x.t(), E4M3, "row", None, m, col_max=col_max, from_max=True)  # noqa: E731
-            ms = timer(fn, 1, 20, cuda=True)
-            print(f"{m}x{k} {mode:8s} block_r={br:3d} block_c={bc:3d} warps={nw}  {ms:7.3f} ms  {nbytes / ms / 1e6:6.0f} GB/s",
-                  flush=True)
-            lq.TUNING.update({k2: dict(v) for k2, v in saved.items()})
+        for mode in modes:
+            for br, bc, nw in itertools.product(*TILES[mode], (4, 8)):
+                if br * bc // (32 * nw) > 128:  # fp32 tile elements per thread: beyond this it spills
+                    continue
+                lq.TUNING[mode] = dict(block_r=br, block_c=bc, num_warps=nw)
+                nbytes = x.numel() * (4 if mode == "tensor" else 3)
+                if mode == "rows":
+                    fn = lambda: lq.quantize_rows(x, E4M3, "row", None, k)  # noqa: E731
+                elif mode == "tensor":
+                    fn = lambda: lq.quantize_tensor_rows_cols(x, E4M3, E4M3, k, m)  # noqa: E731
+                else:
+                    fn = lambda: lq.quantize_rows(x.t(), E4M3, "row", None, m, col_max=col_max, from_max=True)  # noqa: E731
+                ms = timer(fn, 1, 20, cuda=True)
+                print(f"{m}x{k} {mode:8s} block_r={br:3d} block_c={bc:3d} warps={nw}  {ms:7.3f} ms  {nbytes / ms / 1e6:6.0f} GB/s",
+                      flush=True)
+                lq.TUNING.update({k2: dict(v) for k2, v in saved.items()})
 
 
 if __name__ == "__main__":

@@ -84,19 +84,18 @@ def _quantize_tile(t, scale, FMAX: tl.constexpr, IS_INT: tl.constexpr, MAN: tl.c
 
 @triton.jit
 def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, R, C, CP, stride_r, stride_c,
-                       IS_INT: tl.constexpr, FMAX: tl.constexpr, MAN: tl.constexpr, EMIN: tl.constexpr,
-                       QMIN: tl.constexpr, QMAX: tl.constexpr, HAD: tl.constexpr,
-                       INV_SQRT: tl.constexpr, BF16_DOT: tl.constexpr, BLOCK_R: tl.constexpr,
+                       INT: tl.constexpr, FMAX: tl.constexpr, MAN: tl.constexpr, EMIN: tl.constexpr,
+                       QMIN: tl.constexpr, QMAX: tl.constexpr, NATIVE: tl.constexpr, E4M3: tl.constexpr,
+                       HAD: tl.constexpr, INV_SQRT: tl.constexpr, BF16_DOT: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCK_C: tl.constexpr, COL_MAX: tl.constexpr, SCALE_FROM_MAX: tl.constexpr,
-                       ON_GPU: tl.constexpr, CONTAINER_E4M3: tl.constexpr, NATIVE: tl.constexpr,
-                       COLS_PER_PROGRAM: tl.constexpr):
+                       ON_GPU: tl.constexpr, COLS_PER_PROGRAM: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     c_begin, c_end = 0, CP
-    if SCALE_FROM_MAX:  # scales known up front: one pass, and the columns split over a second grid axis
+    if SCALE_FROM_MAX:  # the rows' absmax came with another pass (the column maxima of quantize_rows_and_cols):
+        # one pass, the columns split over a second grid axis
         c_begin = tl.program_id(1) * COLS_PER_PROGRAM
         c_end = tl.minimum(c_begin + COLS_PER_PROGRAM, CP)
-    if SCALE_FROM_MAX:  # the rows' absmax came with another pass (the column maxima of quantize_rows_and_cols)
         amax = tl.load(colmax_ptr + rows, mask=rows < R, other=0).to(tl.float32, bitcast=True)
         scale = _absmax_scale(amax, FMAX)
         if tl.program_id(1) == 0:
@@ -115,7 +114,7 @@ def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, R, C, CP, s
     for c0 in range(c_begin, c_end, BLOCK_C):
         t = _load_tile(x_ptr, h_ptr, rows, c0, R, C, stride_r, stride_c, BLOCK_C, BLOCK_C, HAD, INV_SQRT,
                        BF16_DOT)
-        q = _quantize_tile(t, scale[:, None], FMAX, IS_INT, MAN, EMIN, QMIN, QMAX, NATIVE, CONTAINER_E4M3,
+        q = _quantize_tile(t, scale[:, None], FMAX, INT, MAN, EMIN, QMIN, QMAX, NATIVE, E4M3,
                            out_ptr.dtype.element_ty, ON_GPU)
         cols = c0 + tl.arange(0, BLOCK_C)
         mask = (rows[:, None] < R) & (cols[None, :] < CP)
@@ -158,26 +157,21 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
     scale = torch.empty((R, 1), device=x.device, dtype=torch.float32)
     if R == 0:
         return out, scale
-    is_int = isinstance(fmt, IntFormat)
     had = bool(hadamard_block)
     tune = TUNING["from_max" if from_max else "rows"]
     block_r = 32 if had else tune["block_r"]  # the Hadamard's tl.dot: 32-row tiles (16 measured slower)
     block_c = hadamard_block if had else min(tune["block_c"], triton.next_power_of_2(max(cols, 16)))
     h = hadamard_pm1(hadamard_block, x.device) if had else scale  # dummy pointer when unused
-    # E4M3 and E5M2 are their container's own grid (E2M1 and INT4 live in E4M3 codes but round onto their own)
-    native = fmt.name in ("e4m3", "e5m2")
     cols_per_program = 4 * block_c
     # at least one column program: the one with program_id(1) == 0 writes the scales, even for zero columns
     grid = (triton.cdiv(R, block_r), max(1, triton.cdiv(cols, cols_per_program)) if from_max else 1)
     _quant_rows_kernel[grid](
         x, out, scale, h, col_max if col_max is not None else scale, R, C, cols, x.stride(0), x.stride(1),
-        IS_INT=is_int, FMAX=float(fmt.max), MAN=0 if is_int else fmt.man_bits,
-        EMIN=0 if is_int else fmt.min_normal_exp, QMIN=fmt.qmin if is_int else 0, QMAX=fmt.qmax if is_int else 0,
-        HAD=had, INV_SQRT=inv_sqrt(hadamard_block) if had else 1.0,
+        **_grid_args(fmt, "", out), HAD=had, INV_SQRT=inv_sqrt(hadamard_block) if had else 1.0,
         # the interpreter's bf16 tl.dot returns garbage (triton 3.9); its fp32 'ieee' dot computes the same sums
         BF16_DOT=x.dtype == torch.bfloat16 and not interpreted(), BLOCK_R=block_r, BLOCK_C=block_c,
         COL_MAX=col_max is not None and not from_max, SCALE_FROM_MAX=from_max, ON_GPU=not interpreted(),
-        CONTAINER_E4M3=out.dtype == torch.float8_e4m3fn, NATIVE=native, COLS_PER_PROGRAM=cols_per_program,
+        COLS_PER_PROGRAM=cols_per_program,
         num_warps=tune["num_warps"],
     )
     return out, scale
@@ -229,11 +223,14 @@ def _quantize_store(x_ptr, a, b, stride_a, stride_b, A, B, out_ptr, OUT_W, scale
 
 
 def _grid_args(fmt, prefix: str, out: torch.Tensor) -> dict:
+    """The constexprs of _quantize_tile for ``fmt`` written into ``out``, named with ``prefix``. E4M3 and E5M2
+    are their container's own grid (NATIVE: the cast rounds); E2M1 and INT4 live in E4M3 codes but round onto
+    their own grid first."""
     is_int = isinstance(fmt, IntFormat)
-    return {f"{prefix}_FMAX": float(fmt.max), f"{prefix}_INT": is_int, f"{prefix}_MAN": 0 if is_int else fmt.man_bits,
-            f"{prefix}_EMIN": 0 if is_int else fmt.min_normal_exp, f"{prefix}_QMIN": fmt.qmin if is_int else 0,
-            f"{prefix}_QMAX": fmt.qmax if is_int else 0, f"{prefix}_NATIVE": fmt.name in ("e4m3", "e5m2"),
-            f"{prefix}_E4M3": out.dtype == torch.float8_e4m3fn}
+    return {f"{prefix}FMAX": float(fmt.max), f"{prefix}INT": is_int, f"{prefix}MAN": 0 if is_int else fmt.man_bits,
+            f"{prefix}EMIN": 0 if is_int else fmt.min_normal_exp, f"{prefix}QMIN": fmt.qmin if is_int else 0,
+            f"{prefix}QMAX": fmt.qmax if is_int else 0, f"{prefix}NATIVE": fmt.name in ("e4m3", "e5m2"),
+            f"{prefix}E4M3": out.dtype == torch.float8_e4m3fn}
 
 
 def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int | None, col_cols: int | None):
@@ -261,8 +258,8 @@ def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int |
         grid = (triton.cdiv(max(R, rp), block_r), triton.cdiv(max(C, cp), block_c))
         _quant_tensor_kernel[grid](
             x, amax, *(rows or (dummy, dummy)), *(cols or (dummy, dummy)), R, C, rp, cp, x.stride(0), x.stride(1),
-            ROWS=rows is not None, **_grid_args(row_fmt or get_format("e4m3"), "R", rows[0] if rows else dummy),
-            COLS=cols is not None, **_grid_args(col_fmt or get_format("e4m3"), "C", cols[0] if cols else dummy),
+            ROWS=rows is not None, **_grid_args(row_fmt or get_format("e4m3"), "R_", rows[0] if rows else dummy),
+            COLS=cols is not None, **_grid_args(col_fmt or get_format("e4m3"), "C_", cols[0] if cols else dummy),
             BLOCK_R=block_r, BLOCK_C=block_c, ON_GPU=not interpreted(), num_warps=tune["num_warps"])
     else:  # nothing to read: the scales of an all-zero tensor
         for out, fmt in ((rows, row_fmt), (cols, col_fmt)):

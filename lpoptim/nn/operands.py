@@ -218,17 +218,17 @@ def gemm(a: Operand, b: Operand, out_dtype: torch.dtype = torch.float32, fast_ac
     ``fast_accum`` changes nothing there).
     """
     sa, sb = _scales(a, b)
-    if a.values.is_cuda and torch.compiler.is_compiling():  # no fallback to trace: Inductor compiles the call
-        rowwise = sa.dim() == 2
+
+    def scaled_mm():  # row-wise scales: the CUDA kernel writes bf16 only
         return torch._scaled_mm(a.values, b.values.t(), scale_a=sa, scale_b=sb,
-                                out_dtype=torch.bfloat16 if rowwise else out_dtype,
+                                out_dtype=torch.bfloat16 if sa.dim() == 2 else out_dtype,
                                 use_fast_accum=fast_accum).to(out_dtype)
+
+    if a.values.is_cuda and torch.compiler.is_compiling():  # no fallback to trace: Inductor compiles the call
+        return scaled_mm()
     if a.values.is_cuda:
-        rowwise = sa.dim() == 2
         try:
-            out = torch._scaled_mm(a.values, b.values.t(), scale_a=sa, scale_b=sb,
-                                   out_dtype=torch.bfloat16 if rowwise else out_dtype, use_fast_accum=fast_accum)
-            return out.to(out_dtype)
+            return scaled_mm()
         except torch.OutOfMemoryError:  # not a missing kernel: the fp32 emulation would need more memory still
             raise
         except RuntimeError as e:  # keep training correct; the benchmark reports this loudly
