@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lpoptim  # noqa: E402
+from lpoptim.bench import optimizer_state_bytes  # noqa: E402  (one counting rule for every benchmark)
 
 TARGETS_MS = {torch.float32: 7.5, torch.bfloat16: 5.0}  # issue 3, one H100
 
@@ -76,12 +77,6 @@ def optimizers():
         print(f"torchao unavailable: {e!r}")
 
 
-def state_bytes_of(opt) -> int:
-    from lpoptim.bench import optimizer_state_bytes  # one counting rule for every benchmark
-
-    return optimizer_state_bytes(opt)
-
-
 def time_optimizer(make, shapes, dtype, dev, steps: int, warmup: int):
     gen = torch.Generator(device=dev).manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, device=dev, dtype=dtype, generator=gen) * 0.02) for s in shapes]
@@ -119,7 +114,7 @@ def time_optimizer(make, shapes, dtype, dev, steps: int, warmup: int):
     back_to_back = statistics.median(a.elapsed_time(b) for a, b in zip(marks, marks[1:]))
     n = sum(p.numel() for p in params)
     result = dict(step_ms=statistics.median(times), back_to_back_ms=back_to_back, first_step_s=first,
-                  state_bytes_per_param=state_bytes_of(opt) / n, params=n,
+                  state_bytes_per_param=optimizer_state_bytes(opt) / n, params=n,
                   finite=all(bool(torch.isfinite(p).all()) for p in params))
     del opt, params, grad_sets
     gc.collect()
@@ -193,7 +188,7 @@ def cpu_smoke(args):
         t0 = time.perf_counter()
         opt.step()
         n = sum(p.numel() for p in params)
-        print(f"{name:24s} cpu  {state_bytes_of(opt) / n:.3f} B/param  step {1e3 * (time.perf_counter() - t0):.1f} ms")
+        print(f"{name:24s} cpu  {optimizer_state_bytes(opt) / n:.3f} B/param  step {1e3 * (time.perf_counter() - t0):.1f} ms")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lpoptim.bench import DEFAULT_SHAPE, autocast_loss, build, stack_context, stack_of  # noqa: E402
+from lpoptim.bench import DEFAULT_SHAPE, autocast_loss, build, stack_context, stack_of, unavailable  # noqa: E402
 from lpoptim.train.llama import PRESETS  # noqa: E402
 
 
@@ -68,6 +68,10 @@ def main():
         cfg = dataclasses.replace(cfg, n_layer=args.n_layer)
     batch, seq = args.batch or DEFAULT_SHAPE[args.preset][0], args.seq or DEFAULT_SHAPE[args.preset][1]
     for name in args.recipes.split(","):
+        why = unavailable(name, "cuda", args.compile)
+        if why:  # a +sacNN recipe without --compile would be profiled without its budget
+            print(f"=== {name}: skipped ({why})")
+            continue
         stack = stack_of(name)
         with stack_context(stack, args.compile):  # as lpoptim bench: fresh Dynamo, the stack's budget
             profile_one(args, name, stack, cfg, batch, seq)

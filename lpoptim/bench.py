@@ -362,8 +362,11 @@ def _version(package: str) -> str | None:
         from importlib.metadata import version
 
         return version(package)
-    except Exception:  # noqa: BLE001  (not installed, or installed without metadata)
-        return None
+    except Exception:  # noqa: BLE001  (not installed, or installed without metadata: pytorch-triton, say)
+        try:
+            return __import__(package).__version__
+        except Exception:  # noqa: BLE001
+            return None
 
 
 def environment() -> dict:

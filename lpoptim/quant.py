@@ -199,7 +199,8 @@ def expand(t: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
 
 
 def fma(a: torch.Tensor, b: torch.Tensor, c: float) -> torch.Tensor:
-    """a * b + c for fp32 a, b rounded once, as a GPU's fma (the product is exact in fp64)."""
+    """a * b + c for fp32 a, b as a GPU's fma: the product is exact in fp64; the sum is rounded to fp64, then to
+    fp32, which differs from one rounding only on rare double-rounding ties."""
     return (a.double() * b.double() + c).float()
 
 

@@ -453,6 +453,25 @@ def test_policy_granularity_memo_matches_the_rules():
     assert hash(policy) == hash(ActivationPolicy(attention="keep", gemm_granularity="tensor"))
 
 
+def test_kept_tensor_saved_twice_checks_its_version_at_each_use():
+    """A small tensor is kept as it is; saved again it is a duplicate hit, which must still raise when only that
+    use is reached in backward after an in-place change."""
+    import lpoptim
+
+    class Two(torch.nn.Module):
+        def forward(self, x, z1, z2):
+            s = torch.cumsum(x, 0)  # small (kept as it is) and not derivable: both muls save s itself
+            return s, s * z1, s * z2
+
+    block = Two()
+    lpoptim.compress_activations(block)
+    x, z1, z2 = (torch.randn(8, 8, requires_grad=True) for _ in range(3))
+    s, _, y2 = block(x, z1, z2)
+    s.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y2.sum().backward()  # only the second mul's backward runs
+
+
 def test_kept_tensor_modified_in_place_raises_as_in_autograd():
     import lpoptim
 

@@ -420,10 +420,6 @@ def test_cached_preparation_follows_reassigned_data_and_dropped_state():
     import gc
     import weakref
 
-    import pytest
-
-    import lpoptim
-
     a, b = torch.nn.Parameter(torch.randn(64, 256)), torch.nn.Parameter(torch.randn(64, 256))
     opt = lpoptim.AdamW([a, b], lr=1e-3, min_quant_numel=1024)
     a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)

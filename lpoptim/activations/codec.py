@@ -161,8 +161,9 @@ def pack(t: torch.Tensor, granularity: str, group_size: int = 16, fmt: FloatForm
         elif granularity == "row":
             codes, scale = act_quant.quantize_rows(x)
         else:
-            # one read of x, no temporaries; the max is exact in any dtype
-            scale = absmax_scale(act_quant.finite_absmax(x.view(rows_of(x.shape))), fmt)
+            from ..kernels.linear_quant import finite_absmax  # one read of x, no temporaries; exact in any dtype
+
+            scale = absmax_scale(finite_absmax(x.view(rows_of(x.shape))), fmt)
             codes, scale = act_quant.quantize_rows(x, scale)
         codes = codes.view(fmt.dtype)
     else:

@@ -257,8 +257,9 @@ class PackContext:
         if hit is not None:
             if stats is not None:
                 stats.add("duplicate", self.tracker.op, t, 0, 0)
-            if not isinstance(hit, _Tensor):  # a kept tensor needs no count: it is returned as it is
-                count_use(hit)
+            if isinstance(hit, _Tensor):  # kept: wrapped again, so this save checks the version on use too
+                return Kept(hit)
+            count_use(hit)
             return hit
         policy = self.policy
         gran = policy.granularity_for(self.tracker.op)

@@ -26,7 +26,6 @@ import triton.language as tl
 
 from ..quant import rows_of
 from .grid import absmax_scale, finite_abs, fp8_bits, fp8_value, interpreted, round_to_grid, store_as
-from .linear_quant import finite_absmax  # noqa: F401  (the per-tensor scale of a packed activation)
 
 
 

@@ -283,6 +283,7 @@ def _tables(batch, layout, block_g: int) -> _Plan:
     if addrs == plan.addr_key:
         return plan
     table = plan.tables.pop(addrs, None)  # gradients often come back to addresses seen a step or two ago
+    aligned = all(a % 16 == 0 for row in addrs for a in row)
     if table is None and plan.addr_key is not None:
         # usually only gradients moved (set_to_none, or a step per parameter in backward)
         changed = [(t, c, v) for t, (new, old) in enumerate(zip(addrs, plan.addr_key)) for c, (v, o) in
@@ -291,9 +292,9 @@ def _tables(batch, layout, block_g: int) -> _Plan:
             table = plan.tables.pop(plan.addr_key)
             for t, c, v in changed:
                 table[0][t, c].fill_(v)
-            table = (table[0], all(a % 16 == 0 for row in addrs for a in row))
+            table = (table[0], aligned)
     if table is None:  # a new table through pinned memory, copied asynchronously
-        table = (_to_device(torch.tensor(addrs, dtype=torch.int64), dev), all(a % 16 == 0 for row in addrs for a in row))
+        table = (_to_device(torch.tensor(addrs, dtype=torch.int64), dev), aligned)
     plan.tables[addrs] = table  # most recently used last
     if len(plan.tables) > MAX_TABLES:
         del plan.tables[next(iter(plan.tables))]

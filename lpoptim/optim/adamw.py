@@ -306,7 +306,8 @@ def _check_state(state: dict, param: torch.Tensor, layout: StateLayout) -> None:
     if (scale is not None) != layout.quantized or (
             scale is not None and tuple(scale.shape) != num_groups(param.shape, layout.group_size)):
         raise ValueError("lpoptim.AdamW: this parameter's state was built with other group options (group_size, "
-                         "min_quant_numel); they cannot change after its first step")
+                         "min_quant_numel), which cannot change after its first step, or for another shape "
+                         "(p.data replaced by a tensor of another shape)")
 
 
 def _convert_state(state: dict, param: torch.Tensor, layout: StateLayout) -> dict:

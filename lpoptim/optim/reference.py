@@ -57,7 +57,8 @@ def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, l
         g = -g
     step = state["step"] + 1
     if isinstance(lr, torch.Tensor):
-        lr = lr.to(device=dev, dtype=torch.float32, non_blocking=True)
+        # non-blocking only host -> device: a device -> host copy could be read before it lands
+        lr = lr.to(device=dev, dtype=torch.float32, non_blocking=dev.type == "cuda")
 
     p = param.float()
     m = load_moment(state, "exp_avg", layout)
