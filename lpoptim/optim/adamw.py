@@ -47,7 +47,9 @@ class AdamW(Optimizer):
     ``foreach`` is accepted and has no effect. ``fused``: None picks the fused Triton kernel for CUDA tensors
     and the pure-torch reference elsewhere; True demands the kernel; False always uses the reference.
     ``capturable`` is accepted: step counts always live on the parameter's device and the fused step makes no
-    host sync (Tensor betas are read once a step with float()). ``differentiable=True``, sparse gradients and complex parameters are refused.
+    host sync (Tensor betas are read once a step with float()). A captured step reads the parameters' address
+    table at replay: keep the gradients' buffers fixed between replays (as CUDA graphs require); an eager step on
+    gradients at a few new addresses rewrites that table in place. ``differentiable=True``, sparse gradients and complex parameters are refused.
     """
 
     _step_supports_amp_scaling = True  # GradScaler passes grad_scale / found_inf as it does to torch's fused AdamW
