@@ -30,9 +30,9 @@ for w in $what; do
       python3 -m lpoptim bench --preset tinyllama-1.1b --compile --steps 8 --out "$OUT/tinyllama" \
         --recipes bf16,lpoptim-bf16+bwd+ce+sac70,lpoptim-bf16+fp8t+bwd+ce+sac100
       python3 -m lpoptim bench --preset llama2-7b --compile --steps 8 --out "$OUT/llama2_7b" \
-        --recipes torch-bf16,lpoptim-bf16+fp8tf+bwd+ce+sac50,lpoptim-bf16+fp8tf+bwd+ce+sac55
+        --recipes torch-bf16,lpoptim-bf16+fp8tf+bwd+ce+sac55,lpoptim-bf16+fp8tf+bwd+ce+sac60
       python3 -m lpoptim bench --preset llama2-13b --compile --steps 5 --out "$OUT/llama2_13b" \
-        --recipes lpoptim-bf16+fp8tf+bwd+ce+sac40,lpoptim-bf16+fp8tf+bwd+ce+sac60 ;;
+        --recipes lpoptim-bf16+fp8tf+bwd+ce+sac50,lpoptim-bf16+fp8tf+bwd+ce+sac60 ;;
     *) python3 $w ;;
   esac
 done

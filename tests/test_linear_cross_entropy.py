@@ -1,4 +1,6 @@
 """The chunked LM head + cross-entropy against nn.Linear + F.cross_entropy: same loss, same gradients."""
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -47,3 +49,34 @@ def test_under_bf16_autocast_with_fp32_weight():
 def test_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match="targets"):
         linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(5, dtype=torch.long))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_cuda_bf16_accumulates_the_head_gradient_in_fp32(weight_dtype):
+    """On CUDA the head's gradient is summed over chunks by one GEMM adding into fp32 (addmm with out_dtype): it
+    must equal the fp32 sum of the chunks' bf16 GEMMs, and the returned gradient is in the weight's dtype."""
+    lce = importlib.import_module("lpoptim.nn.linear_cross_entropy")
+    g = torch.Generator(device="cuda").manual_seed(2)
+    h = torch.randn(4, 300, 256, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(1000, 256, device="cuda", generator=g) * 0.05).to(weight_dtype).requires_grad_()
+    t = torch.randint(0, 1000, (4, 300), device="cuda", generator=g)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref = F.cross_entropy((h @ w.t().to(torch.bfloat16)).float().view(-1, 1000), t.view(-1))
+        out = linear_cross_entropy(h, w, t, chunk=128)
+    gh, gw = torch.autograd.grad(ref, (h, w))
+    fh, fw = torch.autograd.grad(out, (h, w))
+    if torch.__version__ >= "2.9":
+        assert lce._ADDMM_OUT_DTYPE[0], "addmm(out_dtype=float32) fell back"
+    assert fw.dtype == weight_dtype
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
+    assert F.cosine_similarity(fh.float().flatten(), gh.float().flatten(), dim=0) > 0.999
+    assert F.cosine_similarity(fw.float().flatten(), gw.float().flatten(), dim=0) > 0.9999
+    # the fp32 accumulation itself, against the chunks' products summed in float64
+    acc = torch.zeros(1000, 256, device="cuda")
+    a, b = torch.randn(3, 1000, 64, device="cuda").bfloat16(), torch.randn(3, 64, 256, device="cuda").bfloat16()
+    for i in range(3):
+        lce._accumulate(acc, a[i], b[i])
+    exact = sum(a[i].double() @ b[i].double() for i in range(3))
+    torch.testing.assert_close(acc.double(), exact, rtol=1e-5, atol=1e-4)
