@@ -17,10 +17,12 @@ over the dense bf16 (or FP8 for the GEMMs of FP8 variants) rate measured on an H
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
 import platform
+import re
 import statistics
 import sys
 import time
@@ -30,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._functorch import config as functorch_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lpoptim.activations import compress_activations, record_saved  # noqa: E402
@@ -186,6 +189,37 @@ def hooks_mib(run, block, x, extra, handle=None):
     return stats.stored_bytes / 2**20, kinds
 
 
+def profile_steps(run, params, xs, dy, extra, out_dir: Path, name: str, steps: int = 3) -> dict:
+    """Profile ``steps`` fwd+bwd steps: wall time against the GPU's busy time (their gap is host overhead the GPU
+    waits on), and the kernels by self CUDA time, written to profile_<name>.txt and the top ones printed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step(x):
+        for p in params:
+            p.grad = None
+        y = run(x, **extra)
+        (y[0] if isinstance(y, tuple) else y).backward(dy)
+
+    sync(dy.device)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(xs[i % len(xs)])
+        sync(dy.device)
+    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    events = prof.key_averages()
+    gpu_ms = sum(e.self_device_time_total for e in events
+                 if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3 / steps
+    table = events.table(sort_by="self_cuda_time_total", row_limit=40)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"profile_{name.replace(' ', '_').replace('+', 'and')}.txt").write_text(
+        f"{name}: per step {wall_ms:.2f} ms wall (profiled), {gpu_ms:.2f} ms of GPU kernels\n\n{table}\n"
+        f"\n{events.table(sort_by='self_cpu_time_total', row_limit=25)}\n")
+    print(f"--- {name}: {wall_ms:.2f} ms wall per step (profiled), {gpu_ms:.2f} ms GPU kernels")
+    print(events.table(sort_by="self_cuda_time_total", row_limit=14))
+    return {"wall_ms": round(wall_ms, 3), "gpu_kernels_ms": round(gpu_ms, 3)}
+
+
 def flop_floor_ms(b, t, d, ff, heads, fp8_gemm):
     tokens = b * t
     gemm = 2 * tokens * (4 * d * d + 3 * d * ff) * 3  # forward + two backward GEMMs each
@@ -203,6 +237,8 @@ def main(argv=None):
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--only", default=None, help="comma-separated variant names")
     ap.add_argument("--linear-recipe", default="fp8_tensor", help="convert_linears recipe of the FP8-linear variants")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile 3 steps per variant: wall vs GPU-busy time, top kernels (profile_<variant>.txt)")
     args = ap.parse_args(argv)
 
     if args.small:
@@ -255,6 +291,7 @@ def main(argv=None):
         "bf16 full recompute": (v_checkpoint, False),
         "lpoptim": (v_lp(), False),
         "lpoptim attn fp8": (v_lp(attention="fp8"), False),
+        "lpoptim no derive": (v_lp(derive=False), False),
         "lpoptim recompute": (v_lp(recompute=True), False),
         "lpoptim compiled": (v_lp(compile_=True), False),
     }
@@ -266,6 +303,12 @@ def main(argv=None):
             "fp8 linears + lpoptim compiled": (v_lp(fp8_block, compile_=True), True),
             "fp8 linears + lpoptim recompute": (v_lp(fp8_block, recompute=True), True),
         }
+        # Inductor's partitioner told to keep NN% of what the compiled block would save and recompute the cheapest
+        # rest (torch._functorch.config.activation_memory_budget; lpoptim bench's +sacNN): torch's own trade
+        for pct in (70, 50):
+            variants[f"fp8 linears compiled sac{pct}"] = variants["fp8 linears compiled"]
+    for pct in (70, 50):
+        variants[f"bf16 compiled sac{pct}"] = (v_compiled, False)
     try:
         from torchao.float8 import convert_to_float8_training
 
@@ -290,11 +333,17 @@ def main(argv=None):
             torch.cuda.empty_cache()
         row = {"floor_ms": round(flop_floor_ms(b, t, d, ff, heads, fp8_gemm), 2)}
         handle = None
+        budget = re.search(r" sac(\d+)$", name)
+        budget_ctx = (functorch_config.patch(activation_memory_budget=int(budget.group(1)) / 100) if budget
+                      else contextlib.nullcontext())
         try:
+            budget_ctx.__enter__()  # while the first call compiles: the partition is made then
             run, mod, handle = build()
             params = [p for p in mod.parameters() if p.requires_grad]
             saved, peak, ms, first = measure(run, params, xs, dy, extra, device, args.warmup, iters)
             hm, kinds = hooks_mib(run, mod, xs[0], extra, handle)
+            if args.profile:
+                row["profile"] = profile_steps(run, params, xs, dy, extra, Path(args.out).parent, name)
             row |= {"saved_mib": None if saved is None else round(saved, 1),
                     "peak_mib": None if peak is None else round(peak, 1), "ms": round(ms, 3),
                     "first_call_s": round(first, 2), "hooks_mib": round(hm, 1), "hooks_by_kind": kinds}
@@ -302,6 +351,7 @@ def main(argv=None):
             row["error"] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
         finally:  # unwrap even after a failure, or every later variant finds the block still wrapped
+            budget_ctx.__exit__(None, None, None)
             if handle is not None:
                 handle.remove()
             handle = run = mod = None
