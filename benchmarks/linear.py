@@ -36,7 +36,7 @@ RECIPES = [  # (label, recipe, overrides)
     ("lpoptim fp4 no OCC", "fp4", {"occ_alpha": None}),
     ("lpoptim int4 (fp8 bwd per tensor)", "int4", {}),
     ("lpoptim int4 (fp8 bwd per row)", "int4", {"bwd_granularity": "row"}),
-    ("lpoptim fp4 no OCC, bwd per tensor", "fp4", {"occ_alpha": None, "bwd_granularity": "tensor"}),
+    ("lpoptim fp4_fast (no OCC, bwd per tensor)", "fp4_fast", {}),
     ("lpoptim int4 (split bwd)", "int4_split", {}),
 ]
 TARGETS = {"fp8": 1.45, "fp4": 1.3, "int4": 1.3}

@@ -37,7 +37,7 @@ PRESETS = {
 }
 
 
-LINEAR_ALIASES = {"fp8t": "fp8_tensor", "fp8tf": "fp8_tensor_fast"}  # as lpoptim bench names them
+LINEAR_ALIASES = {"fp8t": "fp8_tensor", "fp8tf": "fp8_tensor_fast", "fp4f": "fp4_fast"}  # as lpoptim bench names them
 
 
 def parse_run(name: str) -> dict:
@@ -55,7 +55,7 @@ def parse_run(name: str) -> dict:
         elif p == "bf16":
             run["master"] = "bf16"
         else:
-            raise SystemExit(f"run {name!r}: unknown part {p!r} (fp8, fp8t, fp8tf, fp4, int4, act, bf16)")
+            raise SystemExit(f"run {name!r}: unknown part {p!r} (fp8, fp8t, fp8tf, fp4, fp4f, int4, act, bf16)")
     return run
 
 

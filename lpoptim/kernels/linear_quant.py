@@ -24,17 +24,27 @@ from .grid import absmax_scale as _absmax_scale
 from .grid import finite_abs, fp8_bits, interpreted, round_to_grid
 
 @triton.jit
-def _load_tile(x_ptr, h_ptr, rows, c0, R, C, stride_r, stride_c, HB: tl.constexpr, BLOCK_C: tl.constexpr,
+def _load_hadamard(h_ptr, HB: tl.constexpr, BF16_DOT: tl.constexpr):
+    """The ±1 (HB, HB) matrix, loaded once per program (in the tile loop it was 8x the bytes of x's own tile, from
+    L2, for every tile: what held the Hadamard quantizer at ~350 GB/s)."""
+    hr = tl.arange(0, HB)
+    h = tl.load(h_ptr + hr[:, None] * HB + hr[None, :])
+    if BF16_DOT:  # bf16 input: ±1 products are exact, accumulation in fp32 on the tensor cores
+        h = h.to(tl.bfloat16)
+    return h
+
+
+@triton.jit
+def _load_tile(x_ptr, h, rows, c0, R, C, stride_r, stride_c, BLOCK_C: tl.constexpr,
                HAD: tl.constexpr, INV_SQRT: tl.constexpr, BF16_DOT: tl.constexpr):
+    """x[rows, c0:c0 + BLOCK_C] in fp32, zeros outside x; with HAD, times the Hadamard ``h`` (_load_hadamard)."""
     cols = c0 + tl.arange(0, BLOCK_C)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     t = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c, mask=mask,
                 other=0.0)  # int64 offsets: operands past 2^31 elements
     if HAD:
-        hr = tl.arange(0, HB)
-        h = tl.load(h_ptr + hr[:, None] * HB + hr[None, :])
-        if BF16_DOT:  # bf16 input: ±1 products are exact, accumulation in fp32 on the tensor cores
-            t = tl.dot(t.to(tl.bfloat16), h.to(tl.bfloat16), out_dtype=tl.float32)
+        if BF16_DOT:
+            t = tl.dot(t.to(tl.bfloat16), h, out_dtype=tl.float32)
         else:
             t = tl.dot(t.to(tl.float32), h, input_precision="ieee")
         t = t * INV_SQRT
@@ -47,8 +57,7 @@ def _finite_absmax_kernel(x_ptr, max_ptr, R, C, stride_r, stride_c, BLOCK_R: tl.
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     amax = tl.zeros((BLOCK_R,), tl.float32)
     for c0 in range(0, C, BLOCK_C):
-        t = finite_abs(_load_tile(x_ptr, x_ptr, rows, c0, R, C, stride_r, stride_c, BLOCK_C, BLOCK_C, False, 1.0,
-                                  False))
+        t = finite_abs(_load_tile(x_ptr, 0.0, rows, c0, R, C, stride_r, stride_c, BLOCK_C, False, 1.0, False))
         amax = tl.maximum(amax, tl.max(t, axis=1))
     tl.atomic_max(max_ptr, tl.max(amax, axis=0).to(tl.int32, bitcast=True))
 
@@ -91,6 +100,10 @@ def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, R, C, CP, s
                        ON_GPU: tl.constexpr, COLS_PER_PROGRAM: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    if HAD:
+        h = _load_hadamard(h_ptr, BLOCK_C, BF16_DOT)
+    else:
+        h = 0.0  # unused
     c_begin, c_end = 0, CP
     if SCALE_FROM_MAX:  # the rows' absmax came with another pass (the column maxima of quantize_rows_and_cols):
         # one pass, the columns split over a second grid axis
@@ -103,8 +116,8 @@ def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, R, C, CP, s
     else:  # pass 1: the row's absmax over finite elements (the second pass re-reads from L2)
         amax = tl.zeros((BLOCK_R,), tl.float32)
         for c0 in range(0, CP, BLOCK_C):
-            t = finite_abs(_load_tile(x_ptr, h_ptr, rows, c0, R, C, stride_r, stride_c, BLOCK_C, BLOCK_C, HAD,
-                                      INV_SQRT, BF16_DOT))  # inf and NaN do not set the scale
+            t = finite_abs(_load_tile(x_ptr, h, rows, c0, R, C, stride_r, stride_c, BLOCK_C, HAD, INV_SQRT,
+                                      BF16_DOT))  # inf and NaN do not set the scale
             amax = tl.maximum(amax, tl.max(t, axis=1))
             if COL_MAX:  # and each column's, for the transposed copy: |x| orders as its bits (int atomics)
                 cols = c0 + tl.arange(0, BLOCK_C)
@@ -112,8 +125,7 @@ def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, R, C, CP, s
         scale = _absmax_scale(amax, FMAX)
         tl.store(scale_ptr + rows, scale, mask=rows < R)
     for c0 in range(c_begin, c_end, BLOCK_C):
-        t = _load_tile(x_ptr, h_ptr, rows, c0, R, C, stride_r, stride_c, BLOCK_C, BLOCK_C, HAD, INV_SQRT,
-                       BF16_DOT)
+        t = _load_tile(x_ptr, h, rows, c0, R, C, stride_r, stride_c, BLOCK_C, HAD, INV_SQRT, BF16_DOT)
         q = _quantize_tile(t, scale[:, None], FMAX, INT, MAN, EMIN, QMIN, QMAX, NATIVE, E4M3,
                            out_ptr.dtype.element_ty, ON_GPU)
         cols = c0 + tl.arange(0, BLOCK_C)
@@ -128,7 +140,9 @@ def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, R, C, CP, s
 TUNING = {"rows": dict(block_r=16, block_c=256, num_warps=4), "from_max": dict(block_r=64, block_c=128, num_warps=4),
           # per tensor, swept on the kernel's first version (quant_tune --modes tensor): 1.18-1.46 TB/s (64 x 64:
           # 1.02-1.27); not swept again since the columns' copy loads its own tile
-          "tensor": dict(block_r=32, block_c=128, num_warps=8)}
+          "tensor": dict(block_r=32, block_c=128, num_warps=8),
+          # with a block Hadamard (the tile's columns are one Hadamard block): rows per program for its tl.dot
+          "hadamard": dict(block_r=64, num_warps=8)}
 
 
 def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block: int | None = None,
@@ -158,8 +172,8 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
     if R == 0:
         return out, scale
     had = bool(hadamard_block)
-    tune = TUNING["from_max" if from_max else "rows"]
-    block_r = 32 if had else tune["block_r"]  # the Hadamard's tl.dot: 32-row tiles (16 measured slower)
+    tune = TUNING["hadamard" if had else "from_max" if from_max else "rows"]
+    block_r = tune["block_r"]
     block_c = hadamard_block if had else min(tune["block_c"], triton.next_power_of_2(max(cols, 16)))
     h = hadamard_pm1(hadamard_block, x.device) if had else scale  # dummy pointer when unused
     cols_per_program = 4 * block_c

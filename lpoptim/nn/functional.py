@@ -18,7 +18,7 @@ from .hadamard import pick_block
 from .native_fp4 import gemm_mxfp4, native_fp4_supported
 from .operands import (Operand, gemm, int8_split_operand, pow2_block_operand, pow2_block_scaled,
                        quantize_operand, quantize_operand_and_transpose, quantize_operand_keep_col_max,
-                       quantize_transpose_from_max)
+                       quantize_transpose_from_max, use_kernels)
 from .recipes import Recipe
 
 
@@ -75,7 +75,18 @@ class _LowBitLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def weight_grad_factor(w, r: Recipe) -> torch.Tensor | None:
+        """The factor the recipe multiplies the weight gradient by (reference, torch), or None."""
         return None
+
+    @staticmethod
+    def has_weight_grad_factor(r: Recipe) -> bool:
+        return False
+
+    @classmethod
+    def finish_weight_grad(cls, dw, w, r: Recipe) -> torch.Tensor:
+        """dW as the GEMM gave it (fp32 where weight_grad_factor is not None) -> dW in the weight's dtype."""
+        factor = cls.weight_grad_factor(w, r)
+        return (dw if factor is None else dw * factor).to(w.dtype)
 
     @staticmethod
     def forward_gemm_and_xt(x2, w, r: Recipe, out_dtype: torch.dtype):
@@ -124,11 +135,11 @@ def lowbit_backward(g2, w, xt: Operand | None, w_col_max, r: Recipe, need_dx: bo
     need_dw = need_dw and xt is not None
     with torch.autocast(g2.device.type, enabled=False):
         bwd = _int4split_backward if r.backward == "int4split" else _fp8_backward
-        factor = FUNCTIONS[r.fwd_fmt].weight_grad_factor(w, r) if need_dw else None
-        dx, dw = bwd(g2, w, xt, r, need_dx, need_dw, x_dtype, w.dtype if factor is None else torch.float32,
-                     w_col_max)
+        fn = FUNCTIONS[r.fwd_fmt]
+        dx, dw = bwd(g2, w, xt, r, need_dx, need_dw, x_dtype, torch.float32 if fn.has_weight_grad_factor(r)
+                     else w.dtype, w_col_max)
         if dw is not None:
-            dw = (dw if factor is None else dw * factor).to(w.dtype)
+            dw = fn.finish_weight_grad(dw, w, r)
         if dx is not None:
             dx = dx.to(x_dtype)
         db = g2.sum(0, dtype=torch.float32).to(w.dtype) if need_db else None
@@ -174,6 +185,19 @@ class Fp4LinearFunction(_LowBitLinearFunction):
             return gemm(xq, wq, out_dtype)
         # the clamped-off outliers, in fp32 against the unquantized weight
         return (gemm(xq, wq) + residual_matmul(resid, w)).to(out_dtype)
+
+    @staticmethod
+    def has_weight_grad_factor(r):
+        return r.dge_k is not None
+
+    @classmethod
+    def finish_weight_grad(cls, dw, w, r):
+        """On CUDA (per-row or per-tensor scales) one fused pass: kernels/dge.py; the torch reference otherwise."""
+        if r.dge_k is not None and not r.fp4_block and use_kernels(w) and w.dim() == 2:
+            from ..kernels.dge import dge_scale_grad
+            scale = quantize_operand(w, "e2m1", r.granularity).scale  # the forward's scale of W
+            return dge_scale_grad(dw, w, scale, r.dge_k, r.dge_cap, w.dtype)
+        return super().finish_weight_grad(dw, w, r)
 
     @staticmethod
     def weight_grad_factor(w, r):

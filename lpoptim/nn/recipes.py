@@ -69,10 +69,13 @@ FP4 = Recipe("fp4", fwd_fmt="e2m1", dge_k=5.0, dge_cap=3.0, occ_alpha=0.99)
 FP4_BLOCK = Recipe("fp4_block32", fwd_fmt="e2m1", fp4_block=32, dge_k=5.0, dge_cap=3.0, occ_alpha=0.99)
 # the fp8 backward per tensor: measured 1.08-1.13x faster than per row on an H100 (docs/linear.md), error bounds
 # dx 0.08 / dW 0.09 instead of 0.075 / 0.085 (tests/test_linear.py)
+# fp4 without outlier clamping (its sparse residual GEMM is unfused: 0.11-0.16x) and with the backward per tensor,
+# as int4's: 1.42 / 1.33x compiled bf16 on the 7B MLP shapes where fp4 itself runs at 0.16x (docs/linear.md)
+FP4_FAST = Recipe("fp4_fast", fwd_fmt="e2m1", dge_k=5.0, dge_cap=3.0, bwd_granularity="tensor")
 INT4 = Recipe("int4", fwd_fmt="int4_sym", hadamard_block=128, bwd_granularity="tensor")
 INT4_SPLIT = Recipe("int4_split", fwd_fmt="int4_sym", hadamard_block=128, backward="int4split")
 
-RECIPES = {r.name: r for r in (FP8, FP8_TENSOR, FP8_TENSOR_FAST, FP4, FP4_BLOCK, INT4, INT4_SPLIT)}
+RECIPES = {r.name: r for r in (FP8, FP8_TENSOR, FP8_TENSOR_FAST, FP4, FP4_BLOCK, FP4_FAST, INT4, INT4_SPLIT)}
 
 
 def get_recipe(recipe: str | Recipe, **overrides) -> Recipe:

@@ -1,0 +1,42 @@
+"""The fused DGE weight-gradient kernel (kernels/dge.py) against the torch reference (nn/fp4.dge_derivative)."""
+import pytest
+import torch
+
+from lpoptim.nn.fp4 import dge_derivative
+from lpoptim.nn.operands import quantize_operand_ref
+
+# on the CPU conftest.py runs Triton's interpreter; with CUDA the same test runs the compiled kernel
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from lpoptim.kernels.dge import dge_scale_grad  # noqa: E402
+
+
+def _reference(dw, w, scale, k, cap, dtype):
+    return (dw * dge_derivative(w.float() / scale, k, cap)).to(dtype)
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gran", ["row", "tensor"])
+def test_matches_reference(wdtype, gran):
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(48, 80, generator=g) * 0.05).to(wdtype)
+    w[3, :6] = 0.0  # zero weights: t = 1 at the grid point 0
+    dw = torch.randn(48, 80, generator=g)
+    scale = quantize_operand_ref(w, "e2m1", gran).scale
+    # weights exactly on grid points and on rounding thresholds (t = 0: the derivative is capped)
+    s0 = float(scale.reshape(-1)[0])
+    w[0, :8] = (torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]) * s0).to(wdtype)
+    w[0, 8:14] = (torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 5.0]) * s0).to(wdtype)
+    w, dw, scale = w.to(DEVICE), dw.to(DEVICE), scale.to(DEVICE)
+    out = dge_scale_grad(dw, w, scale, 5.0, 3.0, wdtype)
+    ref = _reference(dw, w, scale, 5.0, 3.0, wdtype)
+    assert out.dtype == wdtype and out.shape == w.shape
+    # exp2(log2 t · e) against torch.pow: an ulp or two in fp32, at most one bf16 rounding step apart
+    rtol = 1e-5 if wdtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=0)
+    # the capped entries (thresholds) are exact: dw * 3
+    torch.testing.assert_close(out[0, 8:14].float(), (dw[0, 8:14] * 3.0).to(wdtype).float(), rtol=0, atol=0)
+
+
+def test_refuses_mismatched_shapes():
+    with pytest.raises(ValueError, match="one 2-D shape"):
+        dge_scale_grad(torch.zeros(4, 8), torch.zeros(8, 4), torch.ones(()), 5.0, 3.0, torch.float32)
