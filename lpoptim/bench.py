@@ -82,6 +82,9 @@ STACKS = {
     "lpoptim-bf16+rec+bwd+ce": Stack("lpoptim", compress=True, in_backward=True, master="bf16", chunked_loss=True,
                                      recompute=True,
                                      label="lpoptim.AdamW bf16 SR, step in bwd, FP8 block inputs + recompute, chunked loss"),
+    "lpoptim+fp8tf+bwd+ce": Stack("lpoptim", "fp8_tensor_fast", in_backward=True, chunked_loss=True,
+                                  label="lpoptim.AdamW fp32 master, step in bwd, fp8 linears (per tensor, fast "
+                                        "accumulation in the forward), chunked loss"),
     "lpoptim+fp8+act": Stack("lpoptim", "fp8", True, "lpoptim.AdamW + fp8 linears + FP8 act."),
     "lpoptim+fp4+act": Stack("lpoptim", "fp4", True, "lpoptim.AdamW + fp4 linears + FP8 act."),
     "lpoptim+int4+act": Stack("lpoptim", "int4", True, "lpoptim.AdamW + int4 linears + FP8 act."),

@@ -138,9 +138,10 @@ def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, R, C, CP, s
 # benchmarks/quant_tune.py (docs/results/console_h100.md): rows 1.19-1.40 TB/s (was 0.95-1.26 with 32 x 128),
 # from_max 1.20-1.86 TB/s.
 TUNING = {"rows": dict(block_r=16, block_c=256, num_warps=4), "from_max": dict(block_r=64, block_c=128, num_warps=4),
-          # per tensor, swept on the kernel's first version (quant_tune --modes tensor): 1.18-1.46 TB/s (64 x 64:
-          # 1.02-1.27); not swept again since the columns' copy loads its own tile
-          "tensor": dict(block_r=32, block_c=128, num_warps=8),
+          # per tensor, swept again on the final kernel (quant_tune --modes tensor, docs/results/
+          # quant_tune_tensor_h100.txt): 32 x 256 with 8 warps 1.22 / 1.55 TB/s on 16384 x 4096 / x 11008, the best
+          # on both (32 x 128: 0.88 / 1.50)
+          "tensor": dict(block_r=32, block_c=256, num_warps=8),
           # with a block Hadamard (the tile's columns are one Hadamard block): rows per program for its tl.dot
           "hadamard": dict(block_r=64, num_warps=8)}
 
