@@ -1,0 +1,83 @@
+"""Where one low-bit linear layer's forward + backward time goes: wall time per step against the GPU's kernel
+time (their gap is host work the GPU waits on), and the kernels by time.
+
+    PYTHONPATH=$PWD python3 benchmarks/profile_linear.py --shape 4096,4096 --recipes fp8_tensor,int4 [--compile]
+
+Same layer and inputs as benchmarks/linear.py (16384 tokens, bf16); 10 steps profiled after 5 warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.linear import make_inputs  # noqa: E402
+from lpoptim.nn import LowBitLinear  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="4096,4096", help="in,out features")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--recipes", default="bf16,fp8_tensor")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rows", type=int, default=12)
+    ap.add_argument("--host", action="store_true", help="also cProfile the host side of 20 steps (Python functions)")
+    args = ap.parse_args()
+    k, n = (int(v) for v in args.shape.split(","))
+    base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    inputs = make_inputs(args.tokens, k, n, torch.bfloat16, "cuda")
+    for name in args.recipes.split(","):
+        torch._dynamo.reset()
+        layer = base if name == "bf16" else LowBitLinear.from_linear(base, name)
+        layer = torch.compile(layer) if args.compile else layer
+
+        def step(i):
+            x, gy = inputs[i % len(inputs)]
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
+            layer(x).backward(gy)
+
+        for i in range(5):
+            step(i)
+        torch.cuda.synchronize()
+        # back to back, no sync between steps: the host's enqueue time per step, and the time per step once the
+        # GPU is the limit (or the host, where enqueueing is slower than the kernels)
+        t0 = time.perf_counter()
+        for i in range(20):
+            step(i)
+        host = (time.perf_counter() - t0) * 1e3 / 20
+        torch.cuda.synchronize()
+        b2b = (time.perf_counter() - t0) * 1e3 / 20
+        if args.host:
+            import cProfile
+            import pstats
+            pr = cProfile.Profile()
+            pr.enable()
+            for i in range(20):
+                step(i)
+            pr.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(args.steps):
+                step(i)
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / args.steps
+        ev = prof.key_averages()
+        gpu = sum(e.self_device_time_total for e in ev if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+        print(f"=== {name}{' compiled' if args.compile else ''} {k}->{n}: {wall:.3f} ms wall per step (profiled), "
+              f"{gpu / args.steps:.3f} ms of GPU kernels; unprofiled back to back: {b2b:.3f} ms per step, of which "
+              f"the host took {host:.3f} ms to enqueue")
+        print(ev.table(sort_by="self_cuda_time_total", row_limit=args.rows))
+
+
+if __name__ == "__main__":
+    main()
