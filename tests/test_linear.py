@@ -323,3 +323,22 @@ def test_backward_granularity_is_validated_and_defaults_to_the_forward_one():
     assert get_recipe("int4", bwd_granularity="row").backward_granularity == "row"
     with pytest.raises(ValueError, match="bwd_granularity"):
         get_recipe("int4", bwd_granularity="group")
+
+
+def test_weight_absmax_carried_to_the_backward_gives_the_same_operand():
+    """fp8_tensor keeps W's absmax from the forward for the backward's Wᵀ (one pass fewer over W): the operand
+    must be bit-equal to quantizing Wᵀ afresh, and a wrong absmax must show."""
+    from lpoptim.nn.functional import _quantize_wt
+    from lpoptim.nn.operands import tensor_amax
+    torch.manual_seed(0)
+    w = torch.randn(48, 80) * 0.05
+    w[3, 7] = float("inf")  # not finite: never sets the scale
+    r = get_recipe("fp8_tensor")
+    fresh = quantize_operand(w.t(), r.bwd_fmt, "tensor")
+    carried = _quantize_wt(w, r, tensor_amax(w))
+    assert torch.equal(carried.values.view(torch.uint8), fresh.values.view(torch.uint8))
+    assert torch.equal(carried.scale, fresh.scale)
+    wrong = _quantize_wt(w, r, tensor_amax(w) * 2)
+    assert not torch.equal(wrong.scale, fresh.scale)
+    with pytest.raises(ValueError, match="amax"):
+        quantize_operand(w, "e4m3", "row", amax=tensor_amax(w))

@@ -122,3 +122,14 @@ def test_fast_accum_forward_is_close_to_exact_accumulation():
     y = LowBitLinear.from_linear(lin, "fp8_tensor")(x).float()
     y_fast = LowBitLinear.from_linear(lin, "fp8_tensor", fast_accum=True)(x).float()
     assert ((y_fast - y).norm() / y.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_carried_absmax_matches_a_fresh_one_on_gpu(dtype):
+    """The per-tensor kernel with W's absmax given (fp8_tensor's backward) writes the codes it writes without."""
+    from lpoptim.nn.operands import quantize_operand, tensor_amax
+    w = (torch.randn(512, 384, device="cuda") * 0.05).to(dtype)
+    fresh = quantize_operand(w.t(), "e4m3", "tensor")
+    carried = quantize_operand(w.t(), "e4m3", "tensor", amax=tensor_amax(w))
+    assert torch.equal(carried.values.view(torch.uint8), fresh.values.view(torch.uint8))
+    assert torch.equal(carried.scale, fresh.scale)

@@ -248,13 +248,15 @@ def _grid_args(fmt, prefix: str, out: torch.Tensor) -> dict:
             f"{prefix}E4M3": out.dtype == torch.float8_e4m3fn}
 
 
-def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int | None, col_cols: int | None):
+def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int | None, col_cols: int | None,
+                              amax: torch.Tensor | None = None):
     """Per-tensor quantization of 2-D ``x`` (any strides) as rows (R, row_cols) with ``row_fmt`` and/or as
-    columns, transposed, (C, col_cols) with ``col_fmt``: one pass for the finite absmax, one that reads each
-    element once and writes both copies. A format of None skips that copy. Returns ((values, scale) or None,
-    (values, scale) or None), each equal to operands.quantize_operand_ref(..., "tensor") of x or of x.t()."""
+    columns, transposed, (C, col_cols) with ``col_fmt``: one pass for the finite absmax (none when ``amax``, x's
+    finite absmax as finite_absmax gives it, is passed), one that reads each element once and writes both copies.
+    A format of None skips that copy. Returns ((values, scale) or None, (values, scale) or None), each equal to
+    operands.quantize_operand_ref(..., "tensor") of x or of x.t()."""
     R, C = x.shape
-    amax = finite_absmax(x)
+    amax = finite_absmax(x) if amax is None else amax
     rows = cols = None
     dummy = amax
     if row_fmt is not None:

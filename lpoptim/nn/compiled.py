@@ -5,7 +5,7 @@ under compilation lowbit_linear calls ``lpoptim::lowbit_linear`` (forward: y and
 registered backward ``lpoptim::lowbit_linear_backward``: opaque ops with fake (meta) implementations giving
 their outputs' shapes, so Inductor compiles and schedules everything around them. The arithmetic is the eager
 path's (functional.lowbit_forward / lowbit_backward) with one difference: the backward quantizes W's columns in
-two passes instead of taking the forward's column maxima (one small tensor fewer between the two ops).
+two passes instead of taking the forward's statistic of W (one small tensor fewer between the two ops).
 
 Recipes are frozen dataclasses, which custom ops cannot take: they travel as ``Recipe.key`` (their repr), read
 back from recipes.BY_KEY.
@@ -30,7 +30,7 @@ def xt_layout(tokens, in_features, r: Recipe) -> tuple:
 @torch.library.custom_op("lpoptim::lowbit_linear", mutates_args=())
 def _forward_op(x2: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], recipe: str, out_dtype: torch.dtype,
                 want_xt: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    y, xt, _w_col_max = lowbit_forward(x2, w, bias, BY_KEY[recipe], out_dtype, want_xt)
+    y, xt, _w_stat = lowbit_forward(x2, w, bias, BY_KEY[recipe], out_dtype, want_xt)
     if xt is None:
         return y, x2.new_empty(0, dtype=torch.float8_e4m3fn), x2.new_empty(0, dtype=torch.float32)
     return y, xt.values, xt.scale

@@ -18,7 +18,7 @@ from .hadamard import pick_block
 from .native_fp4 import gemm_mxfp4, native_fp4_supported
 from .operands import (Operand, gemm, int8_split_operand, pow2_block_operand, pow2_block_scaled,
                        quantize_operand, quantize_operand_and_transpose, quantize_operand_keep_col_max,
-                       quantize_transpose_from_max, use_kernels)
+                       quantize_transpose_from_max, tensor_amax, use_kernels)
 from .recipes import Recipe
 
 
@@ -33,16 +33,24 @@ def _save_x_for_dw(x2: torch.Tensor, r: Recipe) -> Operand:
     return quantize_operand(x2.t(), r.bwd_fmt, r.backward_granularity)
 
 
-def _fp8_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, dx_dtype, dw_dtype, w_col_max=None):
+def _quantize_wt(w, r: Recipe, w_stat) -> Operand:
+    """Wᵀ (K, N) for dx = dy W, W per input channel (or per tensor), in one pass where the forward left ``w_stat``:
+    per row, W's column maxima; per tensor, W's absmax (the same scale again)."""
+    if w_stat is None:
+        return quantize_operand(w.t(), r.bwd_fmt, r.backward_granularity)
+    if r.backward_granularity == "tensor":
+        return quantize_operand(w.t(), r.bwd_fmt, "tensor", amax=w_stat)
+    return quantize_transpose_from_max(w, r.bwd_fmt, w_stat)
+
+
+def _fp8_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, dx_dtype, dw_dtype, w_stat=None):
     dx = dw = None
     gq = gt = None
     if need_dx and need_dw:  # dy and dyᵀ: two passes over dy, not three (or four, per tensor)
         gq, gt = quantize_operand_and_transpose(g2, r.grad_fmt, r.grad_fmt, granularity=r.backward_granularity)
     if need_dx:
         gq = gq or quantize_operand(g2, r.grad_fmt, r.backward_granularity)    # (M, N)
-        wt = (quantize_transpose_from_max(w, r.bwd_fmt, w_col_max) if w_col_max is not None  # one pass
-              else quantize_operand(w.t(), r.bwd_fmt, r.backward_granularity))  # (K, N): W per input channel
-        dx = gemm(gq, wt, dx_dtype)
+        dx = gemm(gq, _quantize_wt(w, r, w_stat), dx_dtype)
     if need_dw:
         gt = gt or quantize_operand(g2.t(), r.grad_fmt, r.backward_granularity)  # (N, M padded like xt)
         dw = gemm(gt, xt, dw_dtype)
@@ -50,9 +58,9 @@ def _fp8_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, d
 
 
 def _int4split_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, dx_dtype, dw_dtype,
-                        w_col_max=None):
+                        w_stat=None):
     """dy as INT8 (after a Hadamard along the contraction dim) split into two INT4 halves, the other operand INT4.
-    ``w_col_max`` is the fp8 backward's (W's columns in one pass); the INT4 weight here is Hadamard-mixed first."""
+    ``w_stat`` is the fp8 backward's (W's statistic from the forward); the INT4 weight here is Hadamard-mixed."""
     dx = dw = None
     if need_dx:
         b = pick_block(w.shape[0], r.hadamard_block)
@@ -90,46 +98,51 @@ class _LowBitLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward_gemm_and_xt(x2, w, r: Recipe, out_dtype: torch.dtype):
-        """(y, xᵀ operand, W's column maxima or None) where computing them together pays; (None, None, None)
-        leaves xᵀ to _save_x_for_dw."""
+        """(y, xᵀ operand, W's statistic or None) where computing them together pays; (None, None, None) leaves
+        xᵀ to _save_x_for_dw. The statistic lets the backward quantize Wᵀ in one pass (_quantize_wt)."""
         return None, None, None
 
     @staticmethod
     def forward(ctx, x, w, bias, r: Recipe, out_dtype: torch.dtype, grad_enabled: bool):
         # grad mode is off inside forward: the caller says whether a backward can follow (no xᵀ under no_grad)
         want_xt = grad_enabled and w.requires_grad
-        y, xt, ctx.w_col_max = lowbit_forward(_flat(x), w, bias, r, out_dtype, want_xt)
+        y, xt, w_stat = lowbit_forward(_flat(x), w, bias, r, out_dtype, want_xt)
         # no x.shape on ctx: a symbolic shape there breaks torch 2.11's Dynamo (gy has x's leading dims)
         ctx.recipe, ctx.x_dtype, ctx.has_bias = r, x.dtype, bias is not None
-        ctx.save_for_backward(w, *((xt.values, xt.scale) if xt is not None else ()))
+        ctx.has_xt, ctx.has_w_stat = xt is not None, w_stat is not None
+        ctx.save_for_backward(w, *((xt.values, xt.scale) if xt is not None else ()),
+                              *((w_stat,) if w_stat is not None else ()))
         return y.reshape(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, gy):
         w, *saved = ctx.saved_tensors
+        xt = Operand(saved[0], saved[1]) if ctx.has_xt else None
+        w_stat = saved[-1] if ctx.has_w_stat else None
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dx, dw, db = lowbit_backward(_flat(gy), w, Operand(*saved) if saved else None, ctx.w_col_max, ctx.recipe,
-                                     need_dx, need_dw, need_db and ctx.has_bias, ctx.x_dtype)
+        dx, dw, db = lowbit_backward(_flat(gy), w, xt, w_stat, ctx.recipe, need_dx, need_dw,
+                                     need_db and ctx.has_bias, ctx.x_dtype)
         return None if dx is None else dx.reshape(*gy.shape[:-1], w.shape[1]), dw, db, None, None, None
 
 
 def lowbit_forward(x2, w, bias, r: Recipe, out_dtype: torch.dtype, want_xt: bool):
     """y = x2 Wᵀ + b in ``out_dtype`` with the recipe's forward GEMM, and (when ``want_xt``) the saved xᵀ operand
-    for dW and W's column maxima (fp8 per row on CUDA: the backward then quantizes W's columns in one pass)."""
+    for dW and W's statistic for the backward's Wᵀ (fp8: per row on CUDA its column maxima, per tensor its absmax;
+    else None)."""
     fn = FUNCTIONS[r.fwd_fmt]
-    y = xt = w_col_max = None
+    y = xt = w_stat = None
     if want_xt:
-        y, xt, w_col_max = fn.forward_gemm_and_xt(x2, w, r, out_dtype)
+        y, xt, w_stat = fn.forward_gemm_and_xt(x2, w, r, out_dtype)
     if y is None:
         y = fn.forward_gemm(x2, w, r, out_dtype)
     if bias is not None:
         y = y + bias.to(y.dtype)
     if want_xt and xt is None:
         xt = _save_x_for_dw(x2, r)
-    return y.to(out_dtype), xt, w_col_max
+    return y.to(out_dtype), xt, w_stat
 
 
-def lowbit_backward(g2, w, xt: Operand | None, w_col_max, r: Recipe, need_dx: bool, need_dw: bool, need_db: bool,
+def lowbit_backward(g2, w, xt: Operand | None, w_stat, r: Recipe, need_dx: bool, need_dw: bool, need_db: bool,
                     x_dtype: torch.dtype):
     """(dx2, dW, db), None where not needed: the backward GEMMs of the recipe; dW needs the saved xᵀ."""
     need_dw = need_dw and xt is not None
@@ -137,7 +150,7 @@ def lowbit_backward(g2, w, xt: Operand | None, w_col_max, r: Recipe, need_dx: bo
         bwd = _int4split_backward if r.backward == "int4split" else _fp8_backward
         fn = FUNCTIONS[r.fwd_fmt]
         dx, dw = bwd(g2, w, xt, r, need_dx, need_dw, x_dtype, torch.float32 if fn.has_weight_grad_factor(r)
-                     else w.dtype, w_col_max)
+                     else w.dtype, w_stat)
         if dw is not None:
             dw = fn.finish_weight_grad(dw, w, r)
         if dx is not None:
@@ -158,12 +171,12 @@ class Fp8LinearFunction(_LowBitLinearFunction):
             return None, None, None
         # x for the forward and xᵀ for dW, in two passes over x
         xq, xt = quantize_operand_and_transpose(x2, r.fwd_fmt, r.bwd_fmt, granularity=r.granularity)
-        w_col_max = None
         if r.granularity == "row":
-            wq, w_col_max = quantize_operand_keep_col_max(w, r.fwd_fmt)  # W's columns: one pass in backward
-        else:
-            wq = quantize_operand(w, r.fwd_fmt, "tensor")
-        return gemm(xq, wq, out_dtype, r.fast_accum), xt, w_col_max
+            wq, w_stat = quantize_operand_keep_col_max(w, r.fwd_fmt)  # W's columns: one pass in backward
+        else:  # W's absmax, taken once: its transposed copy in the backward has the same scale
+            w_stat = tensor_amax(w)
+            wq = quantize_operand(w, r.fwd_fmt, "tensor", amax=w_stat)
+        return gemm(xq, wq, out_dtype, r.fast_accum), xt, w_stat
 
 
 class Fp4LinearFunction(_LowBitLinearFunction):

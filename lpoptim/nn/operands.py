@@ -47,14 +47,18 @@ def padded(n: int, multiple: int) -> int:
 
 
 def quantize_operand_ref(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block: int | None = None,
-                         cols: int | None = None) -> Operand:
-    """Reference: zero-pad the columns to ``cols``, optional block Hadamard along them, absmax-quantize."""
+                         cols: int | None = None, amax: torch.Tensor | None = None) -> Operand:
+    """Reference: zero-pad the columns to ``cols``, optional block Hadamard along them, absmax-quantize.
+    ``amax`` (per tensor only): x's finite absmax, already known (tensor_amax), so not taken again."""
     fmt = get_format(fmt)
     x = x.float()
     if cols is not None and cols != x.shape[1]:
         x = F.pad(x, (0, cols - x.shape[1]))
     if hadamard_block:
         x = block_hadamard(x, hadamard_block)
+    if amax is not None:  # quant.quantize's per-tensor branch with the given absmax
+        scale = absmax_scale(amax.float(), fmt).reshape(())
+        return Operand(round_to_grid(x / scale, fmt).to(container_dtype(fmt)).contiguous(), scale)
     q = quantize(x, fmt, granularity)
     scale = q.scale.reshape(-1, 1) if granularity == "row" else q.scale.reshape(())
     return Operand(q.values.to(container_dtype(fmt)).contiguous(), scale)  # x.t() would leave a transposed layout
@@ -66,25 +70,38 @@ def use_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda and not torch.compiler.is_compiling()
 
 
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """The finite absmax of 2-D ``x`` as a 0-dim fp32 tensor (one read; a kernel on CUDA): what a per-tensor
+    scale is made from, kept where the same tensor is quantized again (a weight: forward, then transposed in the
+    backward)."""
+    if use_kernels(x):
+        from ..kernels.linear_quant import finite_absmax as kernel_absmax
+        return kernel_absmax(x)
+    return finite_absmax(x.float())
+
+
 def quantize_operand(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block: int | None = None,
-                     pad_to: int = 16) -> Operand:
+                     pad_to: int = 16, amax: torch.Tensor | None = None) -> Operand:
     """Quantize the rows of 2-D ``x`` (any strides: pass ``t.t()`` to quantize columns, output transposed).
 
     Columns are zero-padded to a multiple of ``pad_to`` and of the Hadamard block (zeros change no GEMM result).
+    ``amax``: per tensor, x's finite absmax (tensor_amax) when already known; the result is the same.
     """
     if x.dim() != 2:
         raise ValueError(f"expected a 2-D tensor, got shape {tuple(x.shape)}")
+    if amax is not None and (granularity != "tensor" or hadamard_block):
+        raise ValueError("amax: per-tensor scaling without a Hadamard block only")
     cols = padded(x.shape[1], math.lcm(pad_to, hadamard_block or 1))
     if use_kernels(x) and granularity == "tensor" and not hadamard_block:  # rows of x, or columns of x.t()
         from ..kernels.linear_quant import quantize_tensor_rows_cols
         if not x.is_contiguous() and x.t().is_contiguous():  # x.t(): read along its contiguous dimension
-            return Operand(*quantize_tensor_rows_cols(x.t(), None, fmt, None, cols)[1])
-        return Operand(*quantize_tensor_rows_cols(x, fmt, None, cols, None)[0])
+            return Operand(*quantize_tensor_rows_cols(x.t(), None, fmt, None, cols, amax)[1])
+        return Operand(*quantize_tensor_rows_cols(x, fmt, None, cols, None, amax)[0])
     if use_kernels(x):
         from ..kernels.linear_quant import quantize_rows
         values, scale = quantize_rows(x, fmt, granularity, hadamard_block, cols)
         return Operand(values, scale)
-    return quantize_operand_ref(x, fmt, granularity, hadamard_block, cols)
+    return quantize_operand_ref(x, fmt, granularity, hadamard_block, cols, amax)
 
 
 def quantize_operand_and_transpose(x: torch.Tensor, row_fmt, col_fmt, pad_to: int = 16,
