@@ -436,3 +436,24 @@ def test_cached_preparation_follows_reassigned_data_and_dropped_state():
     opt.step()
     gc.collect()
     assert old() is None
+
+
+def test_dropped_state_recreated_empty_is_not_held_for_long():
+    """A state deleted and then re-created empty by a read of ``opt.state[p]`` (a defaultdict) leaves the state
+    dict's size unchanged; the cache must still let the old state go (within AdamW._SWEEP_EVERY steps)."""
+    import gc
+    import weakref
+
+    a, b = torch.nn.Parameter(torch.randn(64, 256)), torch.nn.Parameter(torch.randn(64, 256))
+    opt = lpoptim.AdamW([a, b], lr=1e-3, min_quant_numel=1024)
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+    opt.step()
+    old = weakref.ref(opt.state[b]["exp_avg"])
+    del opt.state[b]
+    assert opt.state[b] == {}  # the read re-creates an empty state: same size as before
+    b.grad = None  # frozen from now on
+    for _ in range(type(opt)._SWEEP_EVERY):
+        a.grad = torch.randn_like(a)
+        opt.step()
+    gc.collect()
+    assert old() is None
