@@ -53,6 +53,9 @@ class PackedActivation(ComputedOnce):
     stride: tuple[int, ...]  # the original strides, restored on unpack when they were not contiguous
     fmt: FloatFormat = E4M3
     contiguous: bool = True  # the original was contiguous (its strides may still differ on size-1 dims)
+    # packed in memory order (storage_rows): codes and scales follow the original's storage, not its index order,
+    # and decoding restores its strides on a buffer of the same layout, with no copy either way
+    storage_order: bool = False
     # How many saved slots and replays (derive.py) read this copy, counted by hooks.py: one tensor is often
     # saved by several ops (x by q, k and v's projections; a norm's input by pow and mul) and read again by the
     # replays that use it. Unpacking decodes once and hands the result to the next ``uses - 1`` readers, then
@@ -78,10 +81,12 @@ class PackedActivation(ComputedOnce):
         else:
             out = _as_quantized(self).dequantize().to(self.dtype)
         if out.stride() != self.stride:
-            # Some backward formulas (attention kernels, views) expect the layout they saved. A contiguous original
-            # whose strides differ only on size-1 dims is the same memory: a view, not a copy.
-            if self.contiguous:
-                return out.as_strided(self.shape, self.stride)
+            # Some backward formulas (attention kernels, views) expect the layout they saved. Packed in memory
+            # order, or contiguous with strides that differ only on size-1 dims, the original is the memory of a
+            # contiguous buffer: a view of one, not a copy. (The reference's groups decode to a view of a padded
+            # buffer when the last dim is not a multiple of the group: made contiguous first.)
+            if self.storage_order or self.contiguous:
+                return out.contiguous().as_strided(self.shape, self.stride)
             out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=out.device).copy_(out)
         return out
 
@@ -101,11 +106,29 @@ def _decode(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _as_quantized(p: PackedActivation) -> Quantized:
+    shape = tuple(p.codes.shape) if p.storage_order else tuple(p.shape)  # storage order: the 2-D rows packed
     scale = p.scale.reshape(()) if p.granularity == "tensor" else p.scale
     if p.granularity == "row":
-        scale = scale.reshape(*p.shape[:-1], 1)
+        scale = scale.reshape(*shape[:-1], 1)
     return Quantized(_decode(p.codes), scale, p.fmt, p.granularity, p.group_size if p.granularity == "group" else None,
-                     tuple(p.shape))
+                     shape)
+
+
+def storage_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s rows (vectors along its last dimension) in memory order, as a contiguous 2-D view of its storage,
+    when ``t`` is not contiguous but is a permutation of a contiguous tensor that keeps the last dimension
+    innermost (attention's q, k and v after ``transpose(1, 2)``): packing that view needs no copy, and the same
+    layout rebuilt with ``as_strided`` is ``t``'s. None otherwise (overlapping, gapped, or last dim not innermost).
+    """
+    n = t.shape[-1] if t.dim() else 0
+    if t.dim() < 2 or n < 2 or t.stride(-1) != 1 or t.numel() == 0:
+        return None
+    expected = 1  # dense and non-overlapping: sorted by stride, each stride is the product of the sizes inside it
+    for st, sz in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if st != expected:
+            return None
+        expected *= sz
+    return t.as_strided((t.numel() // n, n), (n, 1))
 
 
 _ACT_QUANT = None
@@ -152,9 +175,12 @@ def pack(t: torch.Tensor, granularity: str, group_size: int = 16, fmt: FloatForm
         raise TypeError(f"pack: expected one of {COMPRESSIBLE_DTYPES}, got {t.dtype}")
     shape, stride = tuple(t.shape), tuple(t.stride())
     x = t.detach()
+    rows = None if x.is_contiguous() else storage_rows(x)  # (the test is free; a copy is not)
+    if rows is not None:
+        x = rows
     if _use_triton(x, fmt):
         act_quant = _kernels()
-        if not x.is_contiguous():  # (the test is free; contiguous() is a dispatched op even when it does nothing)
+        if not x.is_contiguous():
             x = x.contiguous()
         if granularity == "group":
             codes, scale = act_quant.quantize_groups(x, group_size)
@@ -174,4 +200,5 @@ def pack(t: torch.Tensor, granularity: str, group_size: int = 16, fmt: FloatForm
             else q.scale.reshape(r)
     if not scale.is_contiguous():
         scale = scale.contiguous()
-    return PackedActivation(codes, scale, granularity, group_size, t.dtype, shape, stride, fmt, t.is_contiguous())
+    return PackedActivation(codes, scale, granularity, group_size, t.dtype, shape, stride, fmt, t.is_contiguous(),
+                            rows is not None)
