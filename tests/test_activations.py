@@ -489,19 +489,21 @@ def test_kept_tensor_modified_in_place_raises_as_in_autograd():
         y.sum().backward()
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                 reason="needs CUDA")])]
+
+
 @pytest.mark.parametrize("gran", ["row", "group", "tensor"])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_permuted_tensors_pack_in_memory_order_without_copies(gran, backend, monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_permuted_tensors_pack_in_memory_order_without_copies(gran, device):
     """Attention's q, k, v are transposes of contiguous tensors: packed in memory order (no contiguous copy) and
     decoded onto a buffer of the same layout (no strided copy), they give exactly what packing a contiguous copy
-    gives, with the original strides. A tensor whose last dim is not innermost takes the old path."""
+    gives, with the original strides (the reference on the CPU, the Triton kernels on CUDA). A tensor whose last
+    dim is not innermost takes the copying path."""
     from lpoptim.activations import codec
 
-    if backend == "triton" and torch.cuda.is_available():
-        pytest.skip("the interpreter's kernels on CPU tensors; the GPU runs the compiled ones elsewhere")
-    monkeypatch.setattr(codec, "_FORCE_TORCH", backend == "torch")
     g = torch.Generator().manual_seed(0)
-    base = torch.randn(2, 24, 3, 32, generator=g).to(torch.bfloat16)  # (B, T, H, hd), as a projection's view
+    base = torch.randn(2, 24, 3, 32, generator=g).to(torch.bfloat16).to(device)  # (B, T, H, hd): a projection
     base[0, 5, 1] *= 300  # one row with an outlier: per-row scales must follow their rows
     q = base.transpose(1, 2)  # (B, H, T, hd), not contiguous
     assert codec.storage_rows(q) is not None and codec.storage_rows(q.transpose(-1, -2)) is None
@@ -509,25 +511,19 @@ def test_permuted_tensors_pack_in_memory_order_without_copies(gran, backend, mon
     assert p.storage_order and p.codes.numel() == q.numel()
     out = p.decode()
     assert out.stride() == q.stride() and out.shape == q.shape
-    ref = pack(q.contiguous(), gran, 16).decode()
-    assert torch.equal(out, ref)
-    # not a permutation with the last dim innermost: the copy path, same values
-    t = torch.randn(6, 40, generator=g)[:, ::2]
+    assert torch.equal(out, pack(q.contiguous(), gran, 16).decode())
+    t = torch.randn(6, 40, generator=g).to(device)[:, ::2]
     assert codec.storage_rows(t) is None
     pt = pack(t, gran, 16)
     assert not pt.storage_order and torch.equal(pt.decode(), pack(t.contiguous(), gran, 16).decode())
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_group_decode_with_a_last_dim_not_a_multiple_of_the_group(backend, monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_group_decode_with_a_last_dim_not_a_multiple_of_the_group(device):
     """The reference decodes groups onto a padded buffer; a contiguous original of last dim 20 (groups of 16) once
-    came back as a strided view of that buffer with the original's strides: rows past the first were garbage."""
-    from lpoptim.activations import codec
-
-    if backend == "triton" and torch.cuda.is_available():
-        pytest.skip("the interpreter's kernels on CPU tensors")
-    monkeypatch.setattr(codec, "_FORCE_TORCH", backend == "torch")
-    t = torch.randn(6, 20, generator=torch.Generator().manual_seed(0))
+    came back (on the CPU) as a strided view of that buffer with the original's strides: rows past the first
+    were wrong."""
+    t = torch.randn(6, 20, generator=torch.Generator().manual_seed(0)).to(device)
     out = pack(t, "group", 16).decode()
-    ref = quantize(t, "e4m3", "group", 16).dequantize()
-    assert out.stride() == t.stride() and torch.equal(out, ref)
+    ref = quantize(t.cpu(), "e4m3", "group", 16).dequantize()
+    assert out.stride() == t.stride() and torch.equal(out.cpu(), ref)
