@@ -18,7 +18,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for w in $what; do
   echo "=== $w"
   case $w in
-    tests) python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -25 "$OUT/gpu_tests.txt" ;;
+    tests) { python3 -m pytest -q -m gpu tests; python3 -m pytest -q tests/test_dge_kernel.py; } > "$OUT/gpu_tests.txt" 2>&1
+           tail -25 "$OUT/gpu_tests.txt" ;;  # test_dge_kernel runs on whichever device there is
     sass) python3 benchmarks/kernel_sass.py --out "$OUT" ;;
     profile) python3 benchmarks/profile_step.py --out "$OUT" ;;
     optim) python3 benchmarks/optim_step.py --out "$OUT/optim_step.json" ;;

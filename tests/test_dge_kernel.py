@@ -40,3 +40,27 @@ def test_matches_reference(wdtype, gran):
 def test_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match="one 2-D shape"):
         dge_scale_grad(torch.zeros(4, 8), torch.zeros(8, 4), torch.ones(()), 5.0, 3.0, torch.float32)
+
+
+def test_non_finite_weights_give_nan_as_the_reference():
+    """A diverged weight (inf, NaN) must show in its gradient as it does in the reference, not be capped."""
+    w = torch.tensor([[0.01, float("inf"), float("nan"), -0.02]]).to(DEVICE)
+    dw = torch.ones(1, 4, device=DEVICE)
+    scale = torch.tensor([[0.02 / 6]], device=DEVICE)
+    out = dge_scale_grad(dw, w, scale, 5.0, 3.0, torch.float32)
+    ref = _reference(dw, w, scale, 5.0, 3.0, torch.float32)
+    assert ref[0, 1:3].isnan().all()
+    torch.testing.assert_close(out, ref, equal_nan=True, rtol=1e-5, atol=0)
+
+
+def test_strided_inputs_and_a_single_row():
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(80, 48, generator=g) * 0.05).t()  # not contiguous
+    dw = torch.randn(80, 48, generator=g).t()
+    scale = quantize_operand_ref(w, "e2m1", "row").scale
+    out = dge_scale_grad(dw.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), 5.0, 3.0, torch.float32)
+    torch.testing.assert_close(out.cpu(), _reference(dw, w, scale, 5.0, 3.0, torch.float32), rtol=1e-5, atol=0)
+    w1, dw1 = w[:1].contiguous(), dw[:1].contiguous()
+    s1 = quantize_operand_ref(w1, "e2m1", "row").scale
+    out1 = dge_scale_grad(dw1.to(DEVICE), w1.to(DEVICE), s1.to(DEVICE), 5.0, 3.0, torch.float32)
+    torch.testing.assert_close(out1.cpu(), _reference(dw1, w1, s1, 5.0, 3.0, torch.float32), rtol=1e-5, atol=0)

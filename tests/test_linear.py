@@ -342,3 +342,7 @@ def test_weight_absmax_carried_to_the_backward_gives_the_same_operand():
     assert not torch.equal(wrong.scale, fresh.scale)
     with pytest.raises(ValueError, match="amax"):
         quantize_operand(w, "e4m3", "row", amax=tensor_amax(w))
+    with pytest.raises(ValueError, match="amax must be one fp32"):
+        quantize_operand(w, "e4m3", "tensor", amax=tensor_amax(w).double())
+    with pytest.raises(ValueError, match="does not fit"):  # an absmax where column maxima are expected
+        _quantize_wt(w, get_recipe("fp8"), tensor_amax(w))

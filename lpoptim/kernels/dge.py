@@ -30,7 +30,9 @@ def _dge_grad_kernel(dw_ptr, w_ptr, scale_ptr, out_ptr, N, C, K: tl.constexpr, C
     delta = tl.where(a < 2, 0.5, tl.where(a < 4, 1.0, 2.0))
     lo = tl.floor(a / delta) * delta  # divisions by powers of two: exact
     t = tl.abs(2 * (a - lo) / delta - 1)
-    f = tl.minimum(tl.exp2(tl.log2(t) * (1.0 / K - 1.0)) / K, CAP)  # t = 0: log2 -inf, the power inf, capped
+    # t = 0: log2 -inf, the power inf, capped; a non-finite weight makes t NaN, which must stay NaN (as torch's
+    # clamp keeps it; the GPU's min would drop it)
+    f = tl.minimum(tl.exp2(tl.log2(t) * (1.0 / K - 1.0)) / K, CAP, propagate_nan=tl.PropagateNan.ALL)
     store_as(out_ptr + offs, dw * f, mask, out_ptr.dtype.element_ty, ON_GPU)
 
 

@@ -174,6 +174,8 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
         return out, scale
     had = bool(hadamard_block)
     tune = TUNING["hadamard" if had else "from_max" if from_max else "rows"]
+    if had and (hadamard_block > 128 or x.dtype != torch.bfloat16):  # swept for bf16 and 128 only: the matrix
+        tune = dict(block_r=32, num_warps=4)  # stays live in the loop, so larger ones keep the smaller tile
     block_r = tune["block_r"]
     block_c = hadamard_block if had else min(tune["block_c"], triton.next_power_of_2(max(cols, 16)))
     h = hadamard_pm1(hadamard_block, x.device) if had else scale  # dummy pointer when unused

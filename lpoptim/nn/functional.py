@@ -38,7 +38,11 @@ def _quantize_wt(w, r: Recipe, w_stat) -> Operand:
     per row, W's column maxima; per tensor, W's absmax (the same scale again)."""
     if w_stat is None:
         return quantize_operand(w.t(), r.bwd_fmt, r.backward_granularity)
-    if r.backward_granularity == "tensor":
+    per_tensor = w_stat.dim() == 0  # what the forward left: one absmax, or one maximum per column
+    if per_tensor != (r.backward_granularity == "tensor"):
+        raise ValueError(f"W's statistic from the forward ({'absmax' if per_tensor else 'column maxima'}) does not "
+                         f"fit a backward per {r.backward_granularity}")
+    if per_tensor:
         return quantize_operand(w.t(), r.bwd_fmt, "tensor", amax=w_stat)
     return quantize_transpose_from_max(w, r.bwd_fmt, w_stat)
 

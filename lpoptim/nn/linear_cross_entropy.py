@@ -13,25 +13,43 @@ computed in the hidden states' dtype, as autocast would. Tested against the unfu
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (fp32) += a @ b for bf16/fp16 a, b. On CUDA one GEMM that adds into fp32 (torch >= 2.9's
-    ``out_dtype``): no bf16 product and fp32 copy of acc's size, which at the end of the forward (every activation
-    saved) are 1.5x the head's weight in bytes on top of the peak."""
-    if acc.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _ADDMM_OUT_DTYPE[0]:
+    """acc (fp32) += a @ b for bf16/fp16 a, b. On CUDA one GEMM that adds into fp32 (``addmm`` with ``out_dtype``,
+    torch >= 2.9, where this torch has it): no bf16 product and fp32 copy of acc's size, which at the end of the
+    forward (every activation saved) are 1.5x the head's weight in bytes on top of the peak."""
+    if acc.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and addmm_accumulates_in_fp32(acc.device, a.dtype):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc += (a @ b).float()
+
+
+_ADDMM_FP32: dict = {}  # (device, dtype) -> whether addmm(out_dtype=float32, out=acc) adds into an fp32 acc
+
+
+def addmm_accumulates_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch adds a ``dtype`` GEMM into an fp32 tensor in place on ``device``: probed once, on small
+    tensors, against the two-step sum (some versions lack the overload, or want acc in the inputs' dtype)."""
+    key = (device, dtype)
+    if key not in _ADDMM_FP32:
+        g = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(32, 16, device=device, generator=g).to(dtype)
+        b = torch.randn(16, 32, device=device, generator=g).to(dtype)
+        acc = torch.ones(32, 32, device=device)
         try:
             torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            return
-        except torch.OutOfMemoryError:
-            raise
-        except (TypeError, RuntimeError):  # an older torch without it: the two-step form below, from now on
-            _ADDMM_OUT_DTYPE[0] = False
-    acc += (a @ b).float()
-
-
-_ADDMM_OUT_DTYPE = [True]
+            ok = torch.allclose(acc, 1 + a.float() @ b.float(), rtol=1e-5, atol=1e-5)
+        except (TypeError, RuntimeError, NotImplementedError):  # no such overload here
+            ok = False
+        if not ok:
+            warnings.warn("torch.addmm(out_dtype=float32) cannot accumulate into fp32 here: the chunked head sums "
+                          "its weight gradient in two steps (more memory at the peak)", stacklevel=3)
+        _ADDMM_FP32[key] = ok
+    return _ADDMM_FP32[key]
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -71,7 +89,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         scale = grad_loss / count
         gh = (grad_h * scale.to(grad_h.dtype)).reshape(hidden_shape) if grad_h is not None else None
         gw = None
-        if grad_w is not None:  # written in the weight's dtype: no fp32 temporary of the head's size
+        if grad_w is not None and torch.is_grad_enabled() and grad_loss.requires_grad:  # a double backward
+            gw = (grad_w * scale).to(weight_dtype)
+        elif grad_w is not None:  # written in the weight's dtype: no fp32 temporary of the head's size
             gw = torch.mul(grad_w, scale, out=torch.empty(grad_w.shape, dtype=weight_dtype, device=grad_w.device))
         return gh, gw, None, None, None
 

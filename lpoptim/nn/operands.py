@@ -91,6 +91,9 @@ def quantize_operand(x: torch.Tensor, fmt, granularity: str = "row", hadamard_bl
         raise ValueError(f"expected a 2-D tensor, got shape {tuple(x.shape)}")
     if amax is not None and (granularity != "tensor" or hadamard_block):
         raise ValueError("amax: per-tensor scaling without a Hadamard block only")
+    if amax is not None and (amax.numel() != 1 or amax.dtype != torch.float32 or amax.device != x.device):
+        raise ValueError(f"amax must be one fp32 value on {x.device}, got {tuple(amax.shape)} {amax.dtype} "
+                         f"on {amax.device}")
     cols = padded(x.shape[1], math.lcm(pad_to, hadamard_block or 1))
     if use_kernels(x) and granularity == "tensor" and not hadamard_block:  # rows of x, or columns of x.t()
         from ..kernels.linear_quant import quantize_tensor_rows_cols
