@@ -105,12 +105,15 @@ def absmax_scale(amax: torch.Tensor, fmt: FloatFormat | IntFormat) -> torch.Tens
 
 
 def quantize(x: torch.Tensor, fmt="e4m3", granularity: str = "tensor", group_size: int = 128,
-             noise: torch.Tensor | None = None, to_dtype: bool = False) -> Quantized:
-    """Absmax-scaled quantization. ``granularity``: "tensor", "row" (last dim) or "group" (along the last dim)."""
+             noise: torch.Tensor | None = None, to_dtype: bool = False, amax: torch.Tensor | None = None) -> Quantized:
+    """Absmax-scaled quantization. ``granularity``: "tensor", "row" (last dim) or "group" (along the last dim).
+    ``amax`` (per tensor only): x's finite absmax when already known (not taken again)."""
     fmt = get_format(fmt)
     x32 = x.float()
+    if amax is not None and granularity != "tensor":
+        raise ValueError("amax: per-tensor quantization only")
     if granularity == "tensor":
-        scale = absmax_scale(finite_absmax(x32), fmt)
+        scale = absmax_scale(finite_absmax(x32) if amax is None else amax.float().reshape(()), fmt)
         values = round_to_grid(x32 / scale, fmt, noise)
     elif granularity == "row":
         scale = absmax_scale(finite_absmax(x32, dim=-1, keepdim=True), fmt)

@@ -64,3 +64,21 @@ def test_strided_inputs_and_a_single_row():
     s1 = quantize_operand_ref(w1, "e2m1", "row").scale
     out1 = dge_scale_grad(dw1.to(DEVICE), w1.to(DEVICE), s1.to(DEVICE), 5.0, 3.0, torch.float32)
     torch.testing.assert_close(out1.cpu(), _reference(dw1, w1, s1, 5.0, 3.0, torch.float32), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_row_scale_taken_from_w_in_the_kernel(wdtype):
+    """scale=None: the kernel takes each row's E2M1 scale from W itself (quant.quantize's per-row scale), so no
+    quantization of W runs just for its scale; rows wider than the kernel's column tile, an outlier, a zero row,
+    a non-finite element (it never sets a scale) and a partial last row block."""
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(13, 1100, generator=g) * 0.05).to(wdtype)
+    w[2, 700] = 3.0
+    w[5] = 0.0
+    w[7, 3] = float("inf")
+    dw = torch.randn(13, 1100, generator=g)
+    scale = quantize_operand_ref(w, "e2m1", "row").scale
+    out = dge_scale_grad(dw.to(DEVICE), w.to(DEVICE), None, 5.0, 3.0, wdtype)
+    ref = _reference(dw, w, scale, 5.0, 3.0, wdtype)
+    rtol = 1e-5 if wdtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=rtol, atol=0, equal_nan=True)

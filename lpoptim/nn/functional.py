@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from ..formats import E2M1
+from ..quant import absmax_scale
 from .fp4 import dge_derivative, occ_split, residual_matmul
 from .hadamard import pick_block
 from .native_fp4 import gemm_mxfp4, native_fp4_supported
@@ -212,7 +214,8 @@ class Fp4LinearFunction(_LowBitLinearFunction):
         """On CUDA (per-row or per-tensor scales) one fused pass: kernels/dge.py; the torch reference otherwise."""
         if r.dge_k is not None and not r.fp4_block and use_kernels(w) and w.dim() == 2:
             from ..kernels.dge import dge_scale_grad
-            scale = quantize_operand(w, "e2m1", r.granularity).scale  # the forward's scale of W
+            # the forward's scale of W: per row the kernel takes it from W's rows itself; per tensor its absmax
+            scale = None if r.granularity == "row" else absmax_scale(tensor_amax(w), E2M1)
             return dge_scale_grad(dw, w, scale, r.dge_k, r.dge_cap, w.dtype)
         return super().finish_weight_grad(dw, w, r)
 

@@ -56,10 +56,7 @@ def quantize_operand_ref(x: torch.Tensor, fmt, granularity: str = "row", hadamar
         x = F.pad(x, (0, cols - x.shape[1]))
     if hadamard_block:
         x = block_hadamard(x, hadamard_block)
-    if amax is not None:  # quant.quantize's per-tensor branch with the given absmax
-        scale = absmax_scale(amax.float(), fmt).reshape(())
-        return Operand(round_to_grid(x / scale, fmt).to(container_dtype(fmt)).contiguous(), scale)
-    q = quantize(x, fmt, granularity)
+    q = quantize(x, fmt, granularity, amax=amax)
     scale = q.scale.reshape(-1, 1) if granularity == "row" else q.scale.reshape(())
     return Operand(q.values.to(container_dtype(fmt)).contiguous(), scale)  # x.t() would leave a transposed layout
 
