@@ -137,7 +137,8 @@ class _CountOps(TorchDispatchMode):
 def _count(forward, n_blocks) -> dict[str, float]:
     """Per block: torch ops in forward and backward outside the codec, codec packs and decodes (on a GPU, one
     Triton launch each), and strided copies (outside the codec, plus the codec's on a GPU: a non-contiguous
-    tensor is made contiguous to be packed, and copied back to its strides when decoded)."""
+    tensor is made contiguous to be packed, and copied back to its strides when decoded, unless it is packed in
+    memory order, codec.storage_rows, which copies neither way)."""
     calls = Counter()
     mode = [None]
     real_pack = hooks.pack
@@ -156,8 +157,8 @@ def _count(forward, n_blocks) -> dict[str, float]:
                 m.paused = False
         return run
 
-    hooks.pack = counted("pack", real_pack, lambda t: not t.is_contiguous())
-    cls.decode = counted("decode", real_decode, lambda p: not p.contiguous)
+    hooks.pack = counted("pack", real_pack, lambda t: not t.is_contiguous() and codec.storage_rows(t) is None)
+    cls.decode = counted("decode", real_decode, lambda p: not (p.contiguous or p.storage_order))
     try:
         with _CountOps() as fwd:
             mode[0] = fwd

@@ -23,7 +23,6 @@ import gc
 import json
 import platform
 import re
-import statistics
 import sys
 import time
 import traceback
@@ -36,6 +35,7 @@ from torch._functorch import config as functorch_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lpoptim.activations import compress_activations, record_saved  # noqa: E402
+from benchmarks.timing import profile_steps, timer  # noqa: E402
 from lpoptim.bench import environment  # noqa: E402
 
 TARGET_SAVED_MIB = 500.0
@@ -157,23 +157,9 @@ def measure(run, params, xs, dy, extra, device, warmup, iters):
         del y
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - before) / 2**20
-    times = []
-    for i in range(iters):
-        x = xs[i % len(xs)]
-        for p in params:
-            p.grad = None
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step(x)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            step(x)
-            times.append((time.perf_counter() - t) * 1e3)
-    return saved, peak, statistics.median(times), first_s
+    turn = iter(range(iters))
+    ms = timer(lambda: step(xs[next(turn) % len(xs)]), 0, iters, device.type == "cuda")
+    return saved, peak, ms, first_s
 
 
 def hooks_mib(run, block, x, extra, handle=None):
@@ -189,27 +175,16 @@ def hooks_mib(run, block, x, extra, handle=None):
     return stats.stored_bytes / 2**20, kinds
 
 
-def profile_steps(run, params, xs, dy, extra, out_dir: Path, name: str, steps: int = 3) -> dict:
+def profile_variant(run, params, xs, dy, extra, out_dir: Path, name: str, steps: int = 3) -> dict:
     """Profile ``steps`` fwd+bwd steps: wall time against the GPU's busy time (their gap is host overhead the GPU
     waits on), and the kernels by self CUDA time, written to profile_<name>.txt and the top ones printed."""
-    from torch.profiler import ProfilerActivity, profile
-
-    def step(x):
+    def step(i):
         for p in params:
             p.grad = None
-        y = run(x, **extra)
+        y = run(xs[i % len(xs)], **extra)
         (y[0] if isinstance(y, tuple) else y).backward(dy)
 
-    sync(dy.device)
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
-            step(xs[i % len(xs)])
-        sync(dy.device)
-    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
-    events = prof.key_averages()
-    gpu_ms = sum(e.self_device_time_total for e in events
-                 if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3 / steps
+    wall_ms, gpu_ms, events = profile_steps(step, steps)
     table = events.table(sort_by="self_cuda_time_total", row_limit=40)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"profile_{name.replace(' ', '_').replace('+', 'and')}.txt").write_text(
@@ -343,7 +318,7 @@ def main(argv=None):
             saved, peak, ms, first = measure(run, params, xs, dy, extra, device, args.warmup, iters)
             hm, kinds = hooks_mib(run, mod, xs[0], extra, handle)
             if args.profile:
-                row["profile"] = profile_steps(run, params, xs, dy, extra, Path(args.out).parent, name)
+                row["profile"] = profile_variant(run, params, xs, dy, extra, Path(args.out).parent, name)
             row |= {"saved_mib": None if saved is None else round(saved, 1),
                     "peak_mib": None if peak is None else round(peak, 1), "ms": round(ms, 3),
                     "first_call_s": round(first, 2), "hooks_mib": round(hm, 1), "hooks_by_kind": kinds}

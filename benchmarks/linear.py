@@ -15,16 +15,19 @@ import copy
 import json
 import os
 import platform
-import statistics
+import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-import lpoptim.nn.operands as operands
-from lpoptim.bench import environment
-from lpoptim.nn import LowBitLinear
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import lpoptim.nn.operands as operands  # noqa: E402
+from benchmarks.timing import timer  # noqa: E402
+from lpoptim.bench import environment  # noqa: E402
+from lpoptim.nn import LowBitLinear  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096)]
 SMALL_SHAPES = [(64, 64), (64, 128), (128, 64)]
@@ -41,28 +44,6 @@ RECIPES = [  # (label, recipe, overrides)
 ]
 TARGETS = {"fp8": 1.45, "fp4": 1.3, "int4": 1.3}
 H100_PEAK = {"bf16": 989e12, "fp8": 1979e12, "hbm": 3.35e12}  # dense tensor-core peaks, HBM3 bandwidth
-
-
-def timer(fn, warmup: int, iters: int, cuda: bool) -> float:
-    """Median milliseconds of fn()."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    if cuda:
-        torch.cuda.synchronize()
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-    else:
-        for _ in range(iters):
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def make_inputs(m, k, n, dtype, device, l2_bytes=50 << 20):

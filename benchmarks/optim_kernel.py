@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.linear import timer  # noqa: E402
+from benchmarks.timing import timer  # noqa: E402
 from benchmarks.optim_step import copy_bandwidth, llama_1b_shapes  # noqa: E402
 from lpoptim.kernels import adamw_step as kernel  # noqa: E402
 from lpoptim.optim.state import StateLayout, init_state  # noqa: E402

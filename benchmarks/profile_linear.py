@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.linear import make_inputs  # noqa: E402
+from benchmarks.timing import profile_steps  # noqa: E402
 from lpoptim.nn import LowBitLinear  # noqa: E402
 
 
@@ -65,16 +65,9 @@ def main():
             pr.disable()
             torch.cuda.synchronize()
             pstats.Stats(pr).sort_stats("tottime").print_stats(25)
-        t0 = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for i in range(args.steps):
-                step(i)
-            torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) * 1e3 / args.steps
-        ev = prof.key_averages()
-        gpu = sum(e.self_device_time_total for e in ev if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+        wall, gpu, ev = profile_steps(step, args.steps)
         print(f"=== {name}{' compiled' if args.compile else ''} {k}->{n}: {wall:.3f} ms wall per step (profiled), "
-              f"{gpu / args.steps:.3f} ms of GPU kernels; unprofiled back to back: {b2b:.3f} ms per step, of which "
+              f"{gpu:.3f} ms of GPU kernels; unprofiled back to back: {b2b:.3f} ms per step, of which "
               f"the host took {host:.3f} ms to enqueue")
         print(ev.table(sort_by="self_cuda_time_total", row_limit=args.rows))
 

@@ -12,13 +12,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.timing import profile_steps  # noqa: E402
 from lpoptim.bench import DEFAULT_SHAPE, autocast_loss, build, stack_context, stack_of, unavailable  # noqa: E402
 from lpoptim.train.llama import PRESETS  # noqa: E402
 
@@ -34,19 +33,12 @@ def profile_one(args, name, stack, cfg, batch, seq):
 
     for _ in range(args.warmup):
         step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    events = prof.key_averages()
-    gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    wall_ms, gpu_ms, events = profile_steps(lambda _i: step())
     by_gpu = events.table(sort_by="self_cuda_time_total", row_limit=args.rows)
     by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=args.rows)
-    (args.out / f"profile_{name.replace('+', '_')}.txt").write_text(f"wall {wall * 1e3:.1f} ms (profiled), kernels {gpu_us / 1e3:.1f} ms\n\n"
+    (args.out / f"profile_{name.replace('+', '_')}.txt").write_text(f"wall {wall_ms:.1f} ms (profiled), kernels {gpu_ms:.1f} ms\n\n"
                                                   f"{by_gpu}\n\n{by_cpu}\n")
-    print(f"=== {name}: profiled step {wall * 1e3:.1f} ms wall, GPU kernels {gpu_us / 1e3:.1f} ms")
+    print(f"=== {name}: profiled step {wall_ms:.1f} ms wall, GPU kernels {gpu_ms:.1f} ms")
     print(events.table(sort_by="self_cuda_time_total", row_limit=15))
 
 

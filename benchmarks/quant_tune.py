@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.linear import timer  # noqa: E402
+from benchmarks.timing import timer  # noqa: E402
 from lpoptim.formats import E4M3  # noqa: E402
 from lpoptim.kernels import linear_quant as lq  # noqa: E402
 

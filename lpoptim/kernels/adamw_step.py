@@ -283,7 +283,6 @@ def _tables(batch, layout, block_g: int) -> _Plan:
     if addrs == plan.addr_key:
         return plan
     table = plan.tables.pop(addrs, None)  # gradients often come back to addresses seen a step or two ago
-    aligned = all(a % 16 == 0 for row in addrs for a in row)
     if table is None and plan.addr_key is not None:
         # usually only gradients moved (set_to_none, or a step per parameter in backward)
         changed = [(t, c, v) for t, (new, old) in enumerate(zip(addrs, plan.addr_key)) for c, (v, o) in
@@ -292,9 +291,10 @@ def _tables(batch, layout, block_g: int) -> _Plan:
             table = plan.tables.pop(plan.addr_key)
             for t, c, v in changed:
                 table[0][t, c].fill_(v)
-            table = (table[0], aligned)
+            # aligned only if it was and the new addresses are (conservative: an old unaligned one may have gone)
+            table = (table[0], table[1] and all(v % 16 == 0 for _, _, v in changed))
     if table is None:  # a new table through pinned memory, copied asynchronously
-        table = (_to_device(torch.tensor(addrs, dtype=torch.int64), dev), aligned)
+        table = (_to_device(torch.tensor(addrs, dtype=torch.int64), dev), all(a % 16 == 0 for row in addrs for a in row))
     plan.tables[addrs] = table  # most recently used last
     if len(plan.tables) > MAX_TABLES:
         del plan.tables[next(iter(plan.tables))]

@@ -162,19 +162,22 @@ class AdamW(Optimizer):
             kernel.fused_adamw_step(fused_batch, grad_scale=grad_scale, found_inf=found_inf,
                                     sr_salts=fused_salts if salts else None, **hyper)
 
-    _SWEEP_EVERY = 64  # calls: how long a dropped state can stay held at most (a sweep is ~0.1 us a parameter)
+    # calls between sweeps at least (a sweep is ~0.1 us a parameter); at least as many as the cache holds, so that
+    # stepping in backward one parameter per call still sweeps O(1) per call on average
+    _SWEEP_EVERY = 64
 
     def _prepared_cache(self) -> dict:
         """The per-parameter preparations; entries whose state was dropped or replaced are swept out when the
-        state dict shrank or was replaced (load_state_dict), and every _SWEEP_EVERY calls (a state deleted and
+        state dict shrank or was replaced (load_state_dict), and every max(_SWEEP_EVERY, cache size) calls (a state deleted and
         re-created empty by a read of ``opt.state[p]`` leaves the size unchanged), so the old state of a parameter
         that is not stepped again is not held."""
         prepared = self.__dict__.setdefault("_prepared", {})
         calls = self.__dict__["_prepared_calls"] = self.__dict__.get("_prepared_calls", 0) + 1
-        if prepared and (len(prepared) > len(self.state) or self.__dict__.get("_prepared_for") != id(self.state)
-                         or calls % self._SWEEP_EVERY == 0):
+        due = calls >= max(self._SWEEP_EVERY, len(prepared))
+        if prepared and (due or len(prepared) > len(self.state) or self.__dict__.get("_prepared_for") != id(self.state)):
             for p in [p for p, prep in prepared.items() if self.state.get(p) is not prep.state]:
                 del prepared[p]
+            self._prepared_calls = 0
         self._prepared_for = id(self.state)
         return prepared
 
