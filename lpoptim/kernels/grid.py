@@ -5,6 +5,8 @@ is exact for |y| < 2^22 and needs no libdevice, so the interpreter runs it too);
 exact. The interpreter's own float->fp8 cast is wrong on carries and on NaN, which is why it is never asked to
 round and NaN codes are written as integers.
 """
+import functools
+
 import triton
 import triton.language as tl
 
@@ -47,8 +49,10 @@ def round_to_grid(y, IS_INT: tl.constexpr, FMAX: tl.constexpr, MAN: tl.constexpr
     return tl.where(y != y, y, q)
 
 
+@functools.cache
 def interpreted() -> bool:
-    """Whether Triton runs its CPU interpreter (TRITON_INTERPRET set to anything but 0)."""
+    """Whether Triton runs its CPU interpreter (TRITON_INTERPRET set to anything but 0). Read once, as Triton
+    itself decides at import: the kernel wrappers ask on every launch."""
     import os
 
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

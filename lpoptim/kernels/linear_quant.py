@@ -12,6 +12,8 @@ Hadamard block only the summation order differs from torch's matmul.
 from __future__ import annotations
 
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -157,6 +159,8 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
     """
     if (col_max is not None or from_max) and (granularity != "row" or hadamard_block):
         raise ValueError("col_max: per-row scales without a Hadamard block only")
+    if from_max and col_max is None:
+        raise ValueError("from_max reads the rows' maxima from col_max: pass it")
     fmt = get_format(fmt)
     R, C = x.shape
     cols = C if cols is None else cols
@@ -240,6 +244,11 @@ def _quantize_store(x_ptr, a, b, stride_a, stride_b, A, B, out_ptr, OUT_W, scale
 
 
 def _grid_args(fmt, prefix: str, out: torch.Tensor) -> dict:
+    return _grid_args_of(get_format(fmt) if isinstance(fmt, str) else fmt, prefix, out.dtype)
+
+
+@functools.cache  # per launch otherwise: a handful of formats, prefixes and dtypes
+def _grid_args_of(fmt, prefix: str, out_dtype: torch.dtype) -> dict:
     """The constexprs of _quantize_tile for ``fmt`` written into ``out``, named with ``prefix``. E4M3 and E5M2
     are their container's own grid (NATIVE: the cast rounds); E2M1 and INT4 live in E4M3 codes but round onto
     their own grid first."""
@@ -247,7 +256,7 @@ def _grid_args(fmt, prefix: str, out: torch.Tensor) -> dict:
     return {f"{prefix}FMAX": float(fmt.max), f"{prefix}INT": is_int, f"{prefix}MAN": 0 if is_int else fmt.man_bits,
             f"{prefix}EMIN": 0 if is_int else fmt.min_normal_exp, f"{prefix}QMIN": fmt.qmin if is_int else 0,
             f"{prefix}QMAX": fmt.qmax if is_int else 0, f"{prefix}NATIVE": fmt.name in ("e4m3", "e5m2"),
-            f"{prefix}E4M3": out.dtype == torch.float8_e4m3fn}
+            f"{prefix}E4M3": out_dtype == torch.float8_e4m3fn}
 
 
 def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int | None, col_cols: int | None,

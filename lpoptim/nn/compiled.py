@@ -4,8 +4,8 @@ Dynamo cannot trace the eager autograd Function's Python (Triton launches, opera
 under compilation lowbit_linear calls ``lpoptim::lowbit_linear`` (forward: y and the saved xᵀ operand) and its
 registered backward ``lpoptim::lowbit_linear_backward``: opaque ops with fake (meta) implementations giving
 their outputs' shapes, so Inductor compiles and schedules everything around them. The arithmetic is the eager
-path's (functional.lowbit_forward / lowbit_backward) with one difference: the backward quantizes W's columns in
-two passes instead of taking the forward's statistic of W (one small tensor fewer between the two ops).
+path's (functional.lowbit_forward / lowbit_backward); only the 4-bit recipes come here (the fp8 ones are traced),
+and their forward leaves no statistic of W for the backward.
 
 Recipes are frozen dataclasses, which custom ops cannot take: they travel as ``Recipe.key`` (their repr), read
 back from recipes.BY_KEY.

@@ -155,8 +155,12 @@ def lowbit_backward(g2, w, xt: Operand | None, w_stat, r: Recipe, need_dx: bool,
     with torch.autocast(g2.device.type, enabled=False):
         bwd = _int4split_backward if r.backward == "int4split" else _fp8_backward
         fn = FUNCTIONS[r.fwd_fmt]
-        dx, dw = bwd(g2, w, xt, r, need_dx, need_dw, x_dtype, torch.float32 if fn.has_weight_grad_factor(r)
-                     else w.dtype, w_stat)
+        dw_dtype = w.dtype
+        # a factor follows (the DGE): dW in fp32, except from the row-wise CUDA GEMM, which writes bf16 whatever
+        # it is asked for (operands.gemm), so asking for fp32 would only add a cast and twice the bytes to read
+        if fn.has_weight_grad_factor(r) and not (use_kernels(g2) and r.backward_granularity == "row"):
+            dw_dtype = torch.float32
+        dx, dw = bwd(g2, w, xt, r, need_dx, need_dw, x_dtype, dw_dtype, w_stat)
         if dw is not None:
             dw = fn.finish_weight_grad(dw, w, r)
         if dx is not None:

@@ -150,11 +150,9 @@ def quantize_operand_keep_col_max(x: torch.Tensor, fmt, pad_to: int = 16) -> tup
     return Operand(values, scale), col_max
 
 
-def quantize_transpose_from_max(x: torch.Tensor, fmt, col_max: torch.Tensor | None, pad_to: int = 16) -> Operand:
-    """quantize_operand(x.t(), fmt) per row, in one pass when ``col_max`` (quantize_operand_keep_col_max) is
-    given. x must not have changed since: autograd's version check guards a saved weight."""
-    if col_max is None:
-        return quantize_operand(x.t(), fmt, "row", None, pad_to)
+def quantize_transpose_from_max(x: torch.Tensor, fmt, col_max: torch.Tensor, pad_to: int = 16) -> Operand:
+    """quantize_operand(x.t(), fmt) per row, in one pass with the column maxima quantize_operand_keep_col_max
+    left. x must not have changed since: autograd's version check guards a saved weight."""
     from ..kernels.linear_quant import quantize_cols_from_max
     return Operand(*quantize_cols_from_max(x, get_format(fmt), col_max, padded(x.shape[0], pad_to)))
 
