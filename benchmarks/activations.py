@@ -308,28 +308,26 @@ def main(argv=None):
             torch.cuda.empty_cache()
         row = {"floor_ms": round(flop_floor_ms(b, t, d, ff, heads, fp8_gemm), 2)}
         handle = None
-        budget = re.search(r" sac(\d+)$", name)
-        budget_ctx = (functorch_config.patch(activation_memory_budget=int(budget.group(1)) / 100) if budget
-                      else contextlib.nullcontext())
-        try:
-            budget_ctx.__enter__()  # while the first call compiles: the partition is made then
-            run, mod, handle = build()
-            params = [p for p in mod.parameters() if p.requires_grad]
-            saved, peak, ms, first = measure(run, params, xs, dy, extra, device, args.warmup, iters)
-            hm, kinds = hooks_mib(run, mod, xs[0], extra, handle)
-            if args.profile:
-                row["profile"] = profile_variant(run, params, xs, dy, extra, Path(args.out).parent, name)
-            row |= {"saved_mib": None if saved is None else round(saved, 1),
-                    "peak_mib": None if peak is None else round(peak, 1), "ms": round(ms, 3),
-                    "first_call_s": round(first, 2), "hooks_mib": round(hm, 1), "hooks_by_kind": kinds}
-        except Exception as e:  # noqa: BLE001  (one failing variant must not lose the others)
-            row["error"] = f"{type(e).__name__}: {e}"
-            traceback.print_exc()
-        finally:  # unwrap even after a failure, or every later variant finds the block still wrapped
-            budget_ctx.__exit__(None, None, None)
-            if handle is not None:
-                handle.remove()
-            handle = run = mod = None
+        budget = re.search(r" sac(\d+)$", name)  # patched while the first call compiles: the partition is made then
+        with (functorch_config.patch(activation_memory_budget=int(budget.group(1)) / 100) if budget
+              else contextlib.nullcontext()):
+            try:
+                run, mod, handle = build()
+                params = [p for p in mod.parameters() if p.requires_grad]
+                saved, peak, ms, first = measure(run, params, xs, dy, extra, device, args.warmup, iters)
+                hm, kinds = hooks_mib(run, mod, xs[0], extra, handle)
+                if args.profile:
+                    row["profile"] = profile_variant(run, params, xs, dy, extra, Path(args.out).parent, name)
+                row |= {"saved_mib": None if saved is None else round(saved, 1),
+                        "peak_mib": None if peak is None else round(peak, 1), "ms": round(ms, 3),
+                        "first_call_s": round(first, 2), "hooks_mib": round(hm, 1), "hooks_by_kind": kinds}
+            except Exception as e:  # noqa: BLE001  (one failing variant must not lose the others)
+                row["error"] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+            finally:  # unwrap even after a failure, or every later variant finds the block still wrapped
+                if handle is not None:
+                    handle.remove()
+                handle = run = mod = None
         results[name] = row
         print(name, json.dumps(row), flush=True)
 
