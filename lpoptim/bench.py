@@ -52,6 +52,11 @@ class Stack:
     # compiled blocks only: Inductor's activation_memory_budget (a fraction of what the compiled block would save;
     # its partitioner recomputes the cheapest ops to fit): recipe suffix +sacNN, NN percent
     activation_budget: float | None = None
+    # compiled blocks only: Inductor's CUDA graphs (torch.compile mode "reduce-overhead"), recipe suffix +cg.
+    # Each block's forward and backward replay as graphs: no per-kernel host work, so the step no longer waits on
+    # a slow host. Their intermediates live in a private pool the allocator's "allocated" figure does not see
+    # during replays, so such a stack's peak is the allocator's *reserved* peak (an upper bound).
+    cuda_graphs: bool = False
 
 
 STACKS = {
@@ -93,10 +98,14 @@ STACKS = {
 }
 
 SAC = "+sac"  # recipe suffix: +sac50 is the recipe with activation_budget 0.5
+CG = "+cg"  # recipe suffix, last: the compiled blocks replay as CUDA graphs
 
 
 def stack_of(name: str) -> Stack:
-    """The stack of a recipe name: one of STACKS, optionally followed by +sacNN (0 < NN <= 100)."""
+    """The stack of a recipe name: one of STACKS, optionally followed by +sacNN (0 < NN <= 100), then by +cg."""
+    if name.endswith(CG):
+        stack = stack_of(name[: -len(CG)])
+        return replace(stack, cuda_graphs=True, label=f"{stack.label}, blocks replayed as CUDA graphs")
     if name in STACKS:
         return STACKS[name]
     base, sep, pct = name.rpartition(SAC)
@@ -105,7 +114,7 @@ def stack_of(name: str) -> Stack:
         return replace(stack, activation_budget=int(pct) / 100,
                        label=f"{stack.label}, Inductor keeps {int(pct)}% of activations (--compile)")
     raise KeyError(f"unknown recipe {name!r}; choose from {','.join(STACKS)} (each may end in {SAC}NN, NN in 1..100, "
-                   f"with --compile)")
+                   f"then in {CG}, both with --compile)")
 
 
 # (batch, seq) when not given on the command line
@@ -120,6 +129,8 @@ def unavailable(name: str, device: str, compile_blocks: bool = False) -> str | N
     stack = stack_of(name)
     if stack.activation_budget is not None and not compile_blocks:
         return f"{SAC}NN is a budget for Inductor's partitioner: it needs --compile"
+    if stack.cuda_graphs and not (compile_blocks and device == "cuda"):
+        return f"{CG} replays the compiled blocks as CUDA graphs: it needs --compile and CUDA"
     if stack.optimizer == "bnb":
         try:
             import bitsandbytes  # noqa: F401
@@ -179,7 +190,7 @@ def build(stack: Stack, cfg: LlamaConfig, device: str, compile_blocks: bool):
         convert_linears(model, stack.linears)
     if compile_blocks:
         for i, block in enumerate(model.layers):
-            model.layers[i] = torch.compile(block)
+            model.layers[i] = torch.compile(block, mode="reduce-overhead" if stack.cuda_graphs else None)
     handle = None
     if stack.compress:
         from .activations import compress_activations
@@ -302,15 +313,20 @@ def _run_stack(stack: Stack, cfg: LlamaConfig, batch: int, seq: int, steps: int,
     n_params = sum(p.numel() for p in model.parameters())
     seconds = statistics.median(times)
     if cuda:
-        peak = torch.cuda.max_memory_allocated()
+        peak = torch.cuda.max_memory_reserved() if stack.cuda_graphs else torch.cuda.max_memory_allocated()
+        mem["reserved"] = torch.cuda.max_memory_reserved()
     else:
         peak = sum(mem[k] for k in PARTS)
-    return dict(peak_bytes=int(peak), **{f"{k}_bytes": int(mem[k]) for k in PARTS}, params=n_params,
+    return dict(peak_bytes=int(peak), peak_reserved_bytes=int(mem.get("reserved", peak)),
+                peak_kind="reserved" if stack.cuda_graphs else "allocated" if cuda else "estimate",
+                **{f"{k}_bytes": int(mem[k]) for k in PARTS}, params=n_params,
                 state_bytes_per_param=mem["states"] / n_params, step_seconds=seconds,
                 tokens_per_s=batch * seq / seconds, loss=float(losses[-1]))
 
 
-def free_memory():
+def free_memory(compiled: bool = False):
+    if compiled:  # the compiled graphs, and the CUDA-graph pools they hold (a +cg stack's), are released
+        torch._dynamo.reset()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -339,13 +355,15 @@ def run(preset: str, recipes: list[str], batch: int, seq: int, steps: int, warmu
             results.append(dict(row, skipped=why))
             continue
         log(f"  {name}: {stack.label} ...")
-        free_memory()
+        free_memory(compile_blocks)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() if device == "cuda" else 0
+        base_reserved = torch.cuda.memory_reserved() if device == "cuda" else 0
         try:
             out = run_stack(stack, cfg, batch, seq, steps, warmup, device, compile_blocks)
-            out["peak_bytes"] -= base
+            out["peak_bytes"] -= base_reserved if stack.cuda_graphs else base
+            out["peak_reserved_bytes"] -= base_reserved
             row.update(out)
         except torch.cuda.OutOfMemoryError:
             row["error"] = "out of memory"
@@ -353,7 +371,7 @@ def run(preset: str, recipes: list[str], batch: int, seq: int, steps: int, warmu
             row["error"] = f"{type(e).__name__}: {e}"[:300]
         if "error" in row:
             log(f"  {name}: {row['error']}")
-        free_memory()
+        free_memory(compile_blocks)
         results.append(row)
     env = dict(environment(), device=device, memory_cap_gib=memory_cap_gib)
     return dict(env=env, preset=preset, model=asdict(cfg), batch=batch, seq=seq, steps=steps, warmup=warmup,
@@ -399,6 +417,9 @@ def table(report: dict) -> str:
         f"parameters: {report['results'][0].get('params', 0) / 1e9:.2f} B" if report["results"] else "",
         f"command: {report.get('command', '')}",
     ]
+    if any(r.get("peak_kind") == "reserved" for r in report["results"]):
+        lines.append(f"{CG} recipes: blocks replayed as CUDA graphs; their peak is the allocator's reserved peak (the "
+                     "graphs' private pool is not in its allocated figure during replays), an upper bound")
     if not cuda:
         lines.append("CPU: no allocator peak; every figure is a sum of tensor bytes, activations = bytes autograd "
                      "saved, peak (est.) = params + grads + states + activations")
@@ -411,6 +432,8 @@ def table(report: dict) -> str:
             lines.append(f"| {r['recipe']} | {note} |" + " |" * (len(cols) - 2))
             continue
         cells = [f"{r[k + '_bytes'] / div:.2f}" for k in ("peak", *PARTS)]
+        if r.get("peak_kind") == "reserved":
+            cells[0] += " (reserved)"
         rel = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x tok/s, {r['peak_bytes'] / base['peak_bytes']:.2f}x mem"
         lines.append(f"| {r['recipe']} | " + " | ".join(cells) +
                      f" | {r['state_bytes_per_param']:.2f} | {r['tokens_per_s']:,.0f} | {rel} |")

@@ -92,3 +92,19 @@ def test_sac_suffix_takes_ascii_digits_only():
     with pytest.raises(KeyError):
         bench.stack_of("bf16+sac\u00b2")  # '²'.isdigit() is True, int('²') is not
     assert "70%" in bench.stack_of("bf16+sac070").label
+
+
+def test_cg_suffix_replays_compiled_blocks_as_cuda_graphs():
+    import pytest
+
+    from lpoptim import bench
+
+    stack = bench.stack_of("lpoptim-bf16+fp8tf+bwd+ce+sac55+cg")
+    assert stack.cuda_graphs and stack.activation_budget == 0.55 and stack.linears == "fp8_tensor_fast"
+    assert not bench.stack_of("lpoptim-bf16+bwd+ce+sac55").cuda_graphs
+    for bad in ("bf16+cg+sac50", "nope+cg", "+cg"):  # +cg comes last, after a known recipe
+        with pytest.raises(KeyError):
+            bench.stack_of(bad)
+    assert "--compile and CUDA" in bench.unavailable("bf16+cg", "cpu", compile_blocks=True)
+    assert "--compile and CUDA" in bench.unavailable("bf16+cg", "cuda", compile_blocks=False)
+    assert bench.unavailable("bf16+cg", "cuda", compile_blocks=True) is None

@@ -27,10 +27,10 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 
     from .grid import (fast_exp2, fast_log2, fast_rcp, finite_abs, fp8_bits, fp8_cast_bits, fp8_value, grid_magnitude,
-                       interpreted,
-                       hash32, round_bf16_stochastic, store_as, with_sign_of)
+                       hash32, interpreted, round_bf16_stochastic, store_as, with_sign_of)
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - triton is a dependency, but keep the reference usable without it
     HAVE_TRITON = False
@@ -38,8 +38,10 @@ except ImportError:  # pragma: no cover - triton is a dependency, but keep the r
 from ..formats import get_format
 from ..quant import K_MASK, K_SLACK, K_STEPS, expansion_floor, inv_max, log2_max
 
-# the address table's columns: param, grad, then (codes, scale) of exp_avg, exp_avg_sq, max_exp_avg_sq
-N_PTRS = 8
+# the address table's columns: param, grad, then (codes, scale) of exp_avg, exp_avg_sq, max_exp_avg_sq, then the
+# step count (fp32, 0-dim; the kernel works out the bias corrections from it)
+N_PTRS = 9
+STEP_COLUMN = 8
 _TL_DTYPES = {}
 
 
@@ -63,6 +65,14 @@ if HAVE_TRITON:
         if ALIGNED:
             ptr = tl.multiple_of(ptr, 16)
         return ptr
+
+    @triton.jit
+    def _pow(base, exponent, ON_GPU: tl.constexpr):
+        """base ** exponent in fp32: CUDA's powf, as torch's pow on the GPU (the interpreter has no libdevice)."""
+        if ON_GPU:
+            return libdevice.pow(base + tl.zeros_like(exponent), exponent)
+        else:
+            return tl.exp2(exponent * tl.log2(base + tl.zeros_like(exponent)))
 
     @triton.jit
     def _k_of(code):
@@ -129,8 +139,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _adamw_kernel(
-        ptrs, dims, blocks, step_size_ptr, bc2_sqrt_ptr, decay_ptr, grad_scale_ptr, found_inf_ptr, step_ptr, salt_ptr,
-        decay, one_minus_beta1, beta2, one_minus_beta2, eps,
+        ptrs, dims, blocks, lr_ptr, decay_ptr, grad_scale_ptr, found_inf_ptr, salt_ptr,
+        lr, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
         PARAM_DTYPE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
         M_E4M3: tl.constexpr, M_MAN: tl.constexpr, M_MINEXP: tl.constexpr, M_MAX: tl.constexpr, M_SPAN: tl.constexpr,
         M_INV: tl.constexpr, M_LOG2: tl.constexpr,
@@ -158,15 +168,21 @@ if HAVE_TRITON:
         v_ptr = _address(row_ptrs, 4, tl.uint8, ALIGNED)
         vs_ptr = _address(row_ptrs, 5, tl.float32, ALIGNED)
 
-        step_size = tl.load(step_size_ptr + tensor)  # lr / (1 - beta1^t), computed on the device
-        inv_bc2_sqrt = tl.load(bc2_sqrt_ptr + tensor)  # 1 / sqrt(1 - beta2^t)
+        # the bias corrections from the step count (already advanced by the host's one _foreach_add_), with the
+        # torch ops the reference's host code used (powf, 1 / x, rsqrtf): here they cost nothing, there they were
+        # seven tiny launches per batch, which stepping in backward (a batch every few parameters) paid ~100 times
+        step = tl.load(_address(row_ptrs, STEP_COLUMN_C, tl.float32, False))
+        bias_correction1 = 1.0 - _pow(beta1, step, ON_GPU)
+        inv_bc2_sqrt = tl.rsqrt(1.0 - _pow(beta2, step, ON_GPU))  # 1 / sqrt(1 - beta2^t)
+        if DECAY_IS_PTR:  # a Tensor lr: lr / bc1, and 1 - lr * weight_decay computed on the device
+            step_size = tl.math.div_rn(tl.load(lr_ptr), bias_correction1)
+            decay = tl.load(decay_ptr)
+        else:  # a float lr: torch's float / tensor is reciprocal() * lr
+            step_size = lr * tl.math.div_rn(1.0, bias_correction1)
         if HAS_GRAD_SCALE:
             inv_grad_scale = 1.0 / tl.load(grad_scale_ptr)
         if STOCHASTIC:  # the tensor's key for this step: stochastic_round.sr_key, here to save ~25 tiny launches
-            step = tl.load(step_ptr + tensor).to(tl.uint32)  # fp32 step counts are exact integers
-            key = hash32(hash32(step) + tl.load(salt_ptr + tensor).to(tl.uint32) * 0x9E3779B9)
-        if DECAY_IS_PTR:  # 1 - lr * weight_decay, computed on the device for a Tensor lr
-            decay = tl.load(decay_ptr)
+            key = hash32(hash32(step.to(tl.uint32)) + tl.load(salt_ptr + tensor).to(tl.uint32) * 0x9E3779B9)
         if AMSGRAD:
             vm_ptr = _address(row_ptrs, 6, tl.uint8, ALIGNED)
             vms_ptr = _address(row_ptrs, 7, tl.float32, ALIGNED)
@@ -227,6 +243,7 @@ if HAVE_TRITON:
                         V_LOG2, QUANT, ON_GPU)
 
     N_PTRS_C = tl.constexpr(N_PTRS)
+    STEP_COLUMN_C = tl.constexpr(STEP_COLUMN)
     K_STEPS_C = tl.constexpr(K_STEPS)
     K_SLACK_C = tl.constexpr(K_SLACK)
     K_MASK_C = tl.constexpr(K_MASK)
@@ -247,7 +264,8 @@ class _Plan:
 _plans: collections.OrderedDict = collections.OrderedDict()  # least recently used first
 MAX_PLANS = 4096
 MAX_TABLES = 4  # address tables kept per plan: gradients that alternate between buffers find theirs again
-_STATE_KEYS = ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale", "max_exp_avg_sq", "max_exp_avg_sq_scale")
+_STATE_KEYS = ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale", "max_exp_avg_sq", "max_exp_avg_sq_scale",
+               "step")
 LAST_LAUNCH = None  # the compiled kernel of the latest launch (its .asm holds PTX/SASS: benchmarks/kernel_sass.py)
 
 # Launch settings, measured with benchmarks/optim_kernel.py on an H100 (torch 2.11, triton 3.6;
@@ -292,9 +310,11 @@ def _tables(batch, layout, block_g: int) -> _Plan:
             for t, c, v in changed:
                 table[0][t, c].fill_(v)
             # aligned only if it was and the new addresses are (conservative: an old unaligned one may have gone)
-            table = (table[0], table[1] and all(v % 16 == 0 for _, _, v in changed))
+            table = (table[0], table[1] and all(v % 16 == 0 for _, c, v in changed if c != STEP_COLUMN))
     if table is None:  # a new table through pinned memory, copied asynchronously
-        table = (_to_device(torch.tensor(addrs, dtype=torch.int64), dev), all(a % 16 == 0 for row in addrs for a in row))
+        # the step count (4-byte scalar) is not loaded as a vector: its alignment does not matter
+        table = (_to_device(torch.tensor(addrs, dtype=torch.int64), dev),
+                 all(a % 16 == 0 for row in addrs for a in row[:STEP_COLUMN]))
     plan.tables[addrs] = table  # most recently used last
     if len(plan.tables) > MAX_TABLES:
         del plan.tables[next(iter(plan.tables))]
@@ -339,27 +359,24 @@ def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_de
     block_g, loop = TUNING["block_groups"], TUNING["loop"]
     plan = _tables(items, layout, block_g * loop)
     steps = [s["step"] for _p, _g, s, _l in items]
-    # step counts and bias corrections on the device, with the reference's torch arithmetic (no host sync)
+    # step counts on the device (no host sync), one launch; the kernel reads them for the bias corrections
     torch._foreach_add_(steps, 1)
     if found_inf is not None:
         found_inf = found_inf.to(dev, torch.float32)
         torch._foreach_sub_(steps, [found_inf] * len(steps))
-    step_t = torch.stack(steps)
     lr_is_tensor = isinstance(lr, torch.Tensor)
-    lr_t = lr.to(dev, torch.float32, non_blocking=True) if lr_is_tensor else lr  # a CPU lr must not block the host
-    step_size = lr_t / (1 - beta1 ** step_t)
-    inv_bc2_sqrt = (1 - beta2 ** step_t).rsqrt().contiguous()
-    decay = (1 - lr_t * weight_decay).reshape(1).contiguous() if lr_is_tensor else 1 - lr * weight_decay
-    dummy = step_t
+    lr_t = lr.to(dev, torch.float32, non_blocking=True).reshape(1) if lr_is_tensor else None  # no host block
+    decay = (1 - lr_t * weight_decay).contiguous() if lr_is_tensor else 1 - lr * weight_decay
+    dummy = plan.dims
     global LAST_LAUNCH
     if salts is not None and plan.salts_key != salts:  # copied once per batch of parameters, not every step
         plan.salts = _to_device(torch.tensor(salts, dtype=torch.int32), dev)
         plan.salts_key = salts
     LAST_LAUNCH = _adamw_kernel[(plan.n_blocks,)](
-        plan.ptrs, plan.dims, plan.blocks, step_size, inv_bc2_sqrt, decay if lr_is_tensor else dummy,
+        plan.ptrs, plan.dims, plan.blocks, lr_t if lr_is_tensor else dummy, decay if lr_is_tensor else dummy,
         grad_scale.to(dev, torch.float32) if grad_scale is not None else dummy,
-        found_inf if found_inf is not None else dummy, step_t, plan.salts if salts is not None else dummy,
-        0.0 if lr_is_tensor else decay, 1 - beta1, beta2, 1 - beta2, eps,
+        found_inf if found_inf is not None else dummy, plan.salts if salts is not None else dummy,
+        0.0 if lr_is_tensor else lr, 0.0 if lr_is_tensor else decay, beta1, 1 - beta1, beta2, 1 - beta2, eps,
         PARAM_DTYPE=_TL_DTYPES[dtype], G=layout.group_size, BLOCK_G=block_g,
         **_format_args(layout.exp_avg_format, "M"), **_format_args(layout.exp_avg_sq_format, "V"),
         QUANT=layout.quantized, EXPANSION=layout.expansion, SQRT_V=layout.sqrt_v, AMSGRAD=amsgrad, MAXIMIZE=maximize,
