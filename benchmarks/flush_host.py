@@ -1,4 +1,4 @@
-"""Host time of lpoptim.step_in_backward's flushes: opt.step_params on ~128 MiB buckets of 4 Llama-7B layers' parameters
+"""Host time of lpoptim.step_in_backward's flushes: opt.step_params on 128 MiB buckets of 4 Llama-7B layers' parameters
 (bf16, stochastic rounding), fresh gradients each step, as stepping in backward sees them.
 
     PYTHONPATH=$PWD python3 benchmarks/flush_host.py
@@ -15,7 +15,7 @@ import torch
 import lpoptim
 
 SHAPES = [(4096, 4096)] * 4 + [(11008, 4096)] * 2 + [(4096, 11008)] + [(4096,)] * 2  # one layer
-BUCKET = 128 * 2**20  # step_in_backward's default bucket_mb
+BUCKET = 128 * 2**20  # step_in_backward's bucket_mb before it became 256 (the figures in docs/results/host/)
 
 
 def main(layers: int = 4):

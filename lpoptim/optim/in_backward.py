@@ -8,7 +8,10 @@ states, DESIGN.md §6); updating in backward means the whole set of gradients ne
 Parameters are stepped in buckets: as gradients arrive they are queued, and once ``bucket_mb`` of them wait
 (or backward ends) the queue is stepped in one kernel launch per group and its gradients freed. One parameter at
 a time (``bucket_mb=0``) spends more host time than the GPU spends on a 7B model's backward (about 10 small
-launches each); a bucket holds at most that many MiB of gradients beyond the usual in-backward peak.
+launches each); a bucket holds at most that many MiB of gradients beyond the usual in-backward peak. The default,
+256, measured on Llama-2-7B at 1 x 2048 on an H100 with a slow host (docs/results/bench_llama2_7b_buckets_h100.txt):
+128 MiB 10.97 k tokens/s, 256 MiB 11.23 k, 512 MiB 11.22 k, peak 29.83 / 29.84 / 29.85 GiB (the peak of that
+training step is not in backward, so the bucket hardly shows).
 
 What the usual step sees and this cannot: all gradients at once. So no gradient clipping by global norm, no
 gradient accumulation over micro-batches (each backward updates), and no GradScaler (it unscales and checks for
@@ -32,7 +35,7 @@ class InBackwardHandle:
         self._hooks = []
 
 
-def step_in_backward(optimizer, bucket_mb: float = 128) -> InBackwardHandle:
+def step_in_backward(optimizer, bucket_mb: float = 256) -> InBackwardHandle:
     """Register post-accumulate-grad hooks that step the parameters of ``optimizer`` (an lpoptim.AdamW) during
     backward, ``bucket_mb`` MiB of gradients at a time (0: each parameter as its gradient arrives), and then set
     their ``.grad`` to None. Whatever is queued when backward ends is stepped then."""
