@@ -39,7 +39,27 @@ def profile_one(args, name, stack, cfg, batch, seq):
     (args.out / f"profile_{name.replace('+', '_')}.txt").write_text(f"wall {wall_ms:.1f} ms (profiled), kernels {gpu_ms:.1f} ms\n\n"
                                                   f"{by_gpu}\n\n{by_cpu}\n")
     print(f"=== {name}: profiled step {wall_ms:.1f} ms wall, GPU kernels {gpu_ms:.1f} ms")
+    print("    by kind (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in kernel_kinds(events).items()))
     print(events.table(sort_by="self_cuda_time_total", row_limit=15))
+
+
+KINDS = (("GEMM", ("nvjet", "gemm", "cutlass", "xmma", "sm90_")), ("attention", ("flash", "fmha", "sdpa", "cudnn")),
+         ("optimizer", ("adamw", "multi_tensor")), ("quantize (amax, fp8 casts)", ("amax", "scaled_mm", "quant")))
+
+
+def kernel_kinds(events) -> dict:
+    """GPU kernel time per step by kind, from the kernels' names (the first kind whose pattern a name holds);
+    'other' is the rest (norms, activations, residual adds, copies)."""
+    out = {k: 0.0 for k, _ in KINDS} | {"other": 0.0}
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CUDA or not e.self_device_time_total:
+            continue
+        name = e.key.lower()
+        if "command buffer full" in name:  # the host waiting on a full launch queue, not a kernel
+            continue
+        kind = next((k for k, pats in KINDS if any(p in name for p in pats)), "other")
+        out[kind] += e.self_device_time_total / 1e3
+    return out
 
 
 def main():

@@ -45,6 +45,7 @@ def profile_steps(step, steps: int = 1):
         sync()
     wall_ms = (time.perf_counter() - t0) * 1e3 / steps
     events = prof.key_averages()
+    # "Command Buffer Full" is the host waiting on a full launch queue, listed as a device event: not a kernel
     gpu_ms = sum(e.self_device_time_total for e in events
-                 if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3 / steps
+                 if e.device_type == torch.autograd.DeviceType.CUDA and "command buffer full" not in e.key.lower()) / 1e3 / steps
     return wall_ms, gpu_ms, events

@@ -104,6 +104,15 @@ def absmax_scale(amax: torch.Tensor, fmt: FloatFormat | IntFormat) -> torch.Tens
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
+def tensor_or_row_scale(x32: torch.Tensor, fmt: FloatFormat | IntFormat, granularity: str,
+                        amax: torch.Tensor | None = None) -> torch.Tensor:
+    """The absmax scale of fp32 ``x32``: one (0-dim) per "tensor" (from ``amax`` when given), or one per row (along
+    the last dim, kept as a dim of 1) per "row"."""
+    if granularity == "tensor":
+        return absmax_scale(finite_absmax(x32) if amax is None else amax.float().reshape(()), fmt)
+    return absmax_scale(finite_absmax(x32, dim=-1, keepdim=True), fmt)
+
+
 def quantize(x: torch.Tensor, fmt="e4m3", granularity: str = "tensor", group_size: int = 128,
              noise: torch.Tensor | None = None, to_dtype: bool = False, amax: torch.Tensor | None = None) -> Quantized:
     """Absmax-scaled quantization. ``granularity``: "tensor", "row" (last dim) or "group" (along the last dim).
@@ -112,11 +121,8 @@ def quantize(x: torch.Tensor, fmt="e4m3", granularity: str = "tensor", group_siz
     x32 = x.float()
     if amax is not None and granularity != "tensor":
         raise ValueError("amax: per-tensor quantization only")
-    if granularity == "tensor":
-        scale = absmax_scale(finite_absmax(x32) if amax is None else amax.float().reshape(()), fmt)
-        values = round_to_grid(x32 / scale, fmt, noise)
-    elif granularity == "row":
-        scale = absmax_scale(finite_absmax(x32, dim=-1, keepdim=True), fmt)
+    if granularity in ("tensor", "row"):
+        scale = tensor_or_row_scale(x32, fmt, granularity, amax)
         values = round_to_grid(x32 / scale, fmt, noise)
     elif granularity == "group":
         g = to_groups(x32, group_size)

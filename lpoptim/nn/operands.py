@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import E2M1, E4M3, E5M2, FloatFormat, IntFormat, get_format, round_to_grid
-from ..quant import absmax_scale, finite_absmax, from_groups, pow2_block_exponent, quantize, to_groups
+from ..quant import finite_absmax, from_groups, pow2_block_exponent, quantize, tensor_or_row_scale, to_groups
 from .hadamard import block_hadamard
 
 # Two INT4 halves of an 8-bit integer: q = 16·hi + lo with hi in -7..7, lo in -8..7 (see split_int8).
@@ -56,9 +56,24 @@ def quantize_operand_ref(x: torch.Tensor, fmt, granularity: str = "row", hadamar
         x = F.pad(x, (0, cols - x.shape[1]))
     if hadamard_block:
         x = block_hadamard(x, hadamard_block)
-    q = quantize(x, fmt, granularity, amax=amax)
-    scale = q.scale.reshape(-1, 1) if granularity == "row" else q.scale.reshape(())
-    return Operand(q.values.to(container_dtype(fmt)).contiguous(), scale)  # x.t() would leave a transposed layout
+    if granularity not in ("tensor", "row"):
+        raise ValueError(f"granularity must be 'tensor' or 'row', got {granularity!r}")
+    if amax is not None and granularity != "tensor":
+        raise ValueError("amax: per-tensor quantization only")
+    scale = tensor_or_row_scale(x, fmt, granularity, amax)
+    values = round_for_cast(x / scale, fmt).to(container_dtype(fmt))
+    scale = scale.reshape(-1, 1) if granularity == "row" else scale.reshape(())
+    return Operand(values.contiguous(), scale)  # x.t() would leave a transposed layout
+
+
+def round_for_cast(y: torch.Tensor, fmt) -> torch.Tensor:
+    """fp32 ``y`` made ready for the cast to ``fmt``'s container: rounded onto the grid (formats.round_to_grid), or
+    on CUDA for E4M3 / E5M2 only clamped, since there the cast itself rounds to nearest even (as the kernels do,
+    DESIGN.md section 7): the same codes from one cheap element-wise op. Compiled, round_to_grid's bit arithmetic
+    made Inductor's weight casts compute-bound (about a third of the bandwidth; 7B step profile, docs/linear.md)."""
+    if y.is_cuda and fmt in (E4M3, E5M2):
+        return y.clamp(-fmt.max, fmt.max)
+    return round_to_grid(y, fmt)
 
 
 def use_kernels(x: torch.Tensor) -> bool:
@@ -125,12 +140,8 @@ def quantize_operand_and_transpose(x: torch.Tensor, row_fmt, col_fmt, pad_to: in
         # reduction, then one pass writing both copies, as torchao's transposed FP8 copy)
         fmt = get_format(row_fmt)
         x32 = x.float()
-        scale = absmax_scale(finite_absmax(x32), fmt).reshape(())
-        y = x32 / scale
-        if x.is_cuda and fmt in (E4M3, E5M2):  # compiling: the cast itself rounds to nearest even (as the kernels)
-            q = y.clamp(-fmt.max, fmt.max)
-        else:
-            q = round_to_grid(y, fmt)
+        scale = tensor_or_row_scale(x32, fmt, "tensor")
+        q = round_for_cast(x32 / scale, fmt)
         dtype = container_dtype(fmt)
         return (Operand(F.pad(q, (0, row_cols - x.shape[1])).to(dtype), scale),
                 Operand(F.pad(q.t(), (0, col_cols - x.shape[0])).to(dtype).contiguous(), scale))
