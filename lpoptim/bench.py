@@ -104,6 +104,8 @@ CG = "+cg"  # recipe suffix, last: the compiled blocks replay as CUDA graphs
 def stack_of(name: str) -> Stack:
     """The stack of a recipe name: one of STACKS, optionally followed by +sacNN (0 < NN <= 100), then by +cg."""
     if name.endswith(CG):
+        if name[: -len(CG)].endswith(CG):
+            raise KeyError(f"unknown recipe {name!r}: {CG} once, at the end")
         stack = stack_of(name[: -len(CG)])
         return replace(stack, cuda_graphs=True, label=f"{stack.label}, blocks replayed as CUDA graphs")
     if name in STACKS:
@@ -279,7 +281,8 @@ def _run_stack(stack: Stack, cfg: LlamaConfig, batch: int, seq: int, steps: int,
         elif measure:
             before = torch.cuda.memory_allocated()
             loss = forward()
-            mem["activations"] = torch.cuda.memory_allocated() - before
+            # replayed CUDA graphs keep their outputs in a pool the allocator's figure does not count: no figure
+            mem["activations"] = None if stack.cuda_graphs else torch.cuda.memory_allocated() - before
         else:
             loss = forward()
         loss.backward()
@@ -319,7 +322,7 @@ def _run_stack(stack: Stack, cfg: LlamaConfig, batch: int, seq: int, steps: int,
         peak = sum(mem[k] for k in PARTS)
     return dict(peak_bytes=int(peak), peak_reserved_bytes=int(mem.get("reserved", peak)),
                 peak_kind="reserved" if stack.cuda_graphs else "allocated" if cuda else "estimate",
-                **{f"{k}_bytes": int(mem[k]) for k in PARTS}, params=n_params,
+                **{f"{k}_bytes": None if mem[k] is None else int(mem[k]) for k in PARTS}, params=n_params,
                 state_bytes_per_param=mem["states"] / n_params, step_seconds=seconds,
                 tokens_per_s=batch * seq / seconds, loss=float(losses[-1]))
 
@@ -431,10 +434,12 @@ def table(report: dict) -> str:
             note = r.get("skipped") and f"skipped: {r['skipped']}" or r.get("error", "")
             lines.append(f"| {r['recipe']} | {note} |" + " |" * (len(cols) - 2))
             continue
-        cells = [f"{r[k + '_bytes'] / div:.2f}" for k in ("peak", *PARTS)]
-        if r.get("peak_kind") == "reserved":
+        cells = ["n/a" if r[k + "_bytes"] is None else f"{r[k + '_bytes'] / div:.2f}" for k in ("peak", *PARTS)]
+        # like with like: a reserved peak against the first recipe's reserved peak
+        key = "peak_reserved_bytes" if r.get("peak_kind") == "reserved" else "peak_bytes"
+        if key != "peak_bytes":
             cells[0] += " (reserved)"
-        rel = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x tok/s, {r['peak_bytes'] / base['peak_bytes']:.2f}x mem"
+        rel = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x tok/s, {r[key] / base[key]:.2f}x mem"
         lines.append(f"| {r['recipe']} | " + " | ".join(cells) +
                      f" | {r['state_bytes_per_param']:.2f} | {r['tokens_per_s']:,.0f} | {rel} |")
     return "\n".join(lines)
@@ -458,12 +463,12 @@ def plot(report: dict, path: Path) -> bool:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     bottom = [0.0] * len(rows)
     for part in PARTS:
-        vals = [r[f"{part}_bytes"] / div for r in rows]
+        vals = [(r[f"{part}_bytes"] or 0) / div for r in rows]  # None: not measured (+cg activations)
         ax1.bar(names, vals, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, vals)]
     if cuda:
         ax1.scatter(names, [r["peak_bytes"] / div for r in rows], marker="_", s=900, color="black", zorder=3,
-                    label="measured peak (max_memory_allocated)")
+                    label="measured peak (max_memory_allocated; reserved for +cg)")
     ax1.set_ylabel(unit)
     ax1.set_title("memory by component" + ("" if cuda else " (CPU: tensor bytes, estimate)"))
     ax1.legend(fontsize=8)

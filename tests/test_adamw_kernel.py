@@ -1,9 +1,10 @@
 """The fused Triton step against the pure-torch reference: under the interpreter on the CPU, compiled on a GPU.
 
 Both compute the same fp32 operations in the same order, and the kernel rounds onto the FP8 grid itself, so
-under the interpreter they agree exactly except where fp32 results differ in the last bit (then a group scale
-or a code moves by one step). On the GPU the compiler may fuse multiply-adds, which moves some fp32 results by
-an ulp; the bound below allows a few codes to move one grid step, nothing more.
+under the interpreter they agree closely: the bias corrections differ by a few ulps (the kernel takes beta^t as
+exp2(t log2 beta) there, the interpreter having no libdevice; on the GPU it is CUDA's powf, as torch's), and where
+fp32 results differ in the last bit a group scale or a code moves by one step. On the GPU the compiler may also
+fuse multiply-adds; the bound below allows a few codes to move one grid step, nothing more.
 """
 import pytest
 import torch
@@ -242,3 +243,19 @@ def test_nan_moment_stays_nan_on_the_next_step():
     m, mr = load_moment(s, "exp_avg", layout), load_moment(sr, "exp_avg", layout)
     assert torch.isnan(mr[1, 5]) and torch.isnan(m[1, 5])
     assert torch.equal(torch.isnan(m), torch.isnan(mr))
+
+
+@pytest.mark.parametrize("bad", ["float64", "int64", "cpu"])
+def test_a_step_the_kernel_cannot_read_is_refused(bad):
+    """The kernel reads each step count through its address as one fp32 value on the parameter's device: a step
+    set by hand as another dtype (or, on a GPU, on the CPU) is refused with a clear error, not read as garbage."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if bad == "cpu" and dev == "cpu":
+        pytest.skip("needs a parameter on a GPU")
+    layout = StateLayout(quantized=True)
+    p = torch.randn(16, 128, device=dev)
+    state = init_state(p, layout, False)
+    state["step"] = {"float64": state["step"].double(), "int64": state["step"].long(), "cpu": state["step"].cpu()}[bad]
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, amsgrad=False, maximize=False)
+    with pytest.raises(ValueError, match="'step' must be one float32 value"):
+        kernel.fused_adamw_step([(p, torch.randn_like(p), state, layout)], **hyper)

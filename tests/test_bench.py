@@ -102,9 +102,25 @@ def test_cg_suffix_replays_compiled_blocks_as_cuda_graphs():
     stack = bench.stack_of("lpoptim-bf16+fp8tf+bwd+ce+sac55+cg")
     assert stack.cuda_graphs and stack.activation_budget == 0.55 and stack.linears == "fp8_tensor_fast"
     assert not bench.stack_of("lpoptim-bf16+bwd+ce+sac55").cuda_graphs
-    for bad in ("bf16+cg+sac50", "nope+cg", "+cg"):  # +cg comes last, after a known recipe
+    for bad in ("bf16+cg+sac50", "nope+cg", "+cg", "bf16+cg+cg"):  # +cg once, last, after a known recipe
         with pytest.raises(KeyError):
             bench.stack_of(bad)
     assert "--compile and CUDA" in bench.unavailable("bf16+cg", "cpu", compile_blocks=True)
     assert "--compile and CUDA" in bench.unavailable("bf16+cg", "cuda", compile_blocks=False)
     assert bench.unavailable("bf16+cg", "cuda", compile_blocks=True) is None
+
+
+def test_table_compares_a_reserved_peak_with_a_reserved_peak():
+    from lpoptim import bench
+
+    gib = 2**30
+    base = dict(recipe="torch-bf16", peak_bytes=50 * gib, peak_reserved_bytes=52 * gib, peak_kind="allocated",
+                params_bytes=gib, grads_bytes=gib, states_bytes=gib, activations_bytes=gib, state_bytes_per_param=4.0,
+                tokens_per_s=100.0)
+    cg = dict(base, recipe="x+cg", peak_bytes=26 * gib, peak_reserved_bytes=26 * gib, peak_kind="reserved",
+              activations_bytes=None, tokens_per_s=110.0)
+    report = dict(env=dict(gpu="GPU", torch="t", triton="t"), preset="tiny",
+                  model=dict(n_layer=1, d_model=8, ffn_dim=8, n_head=1, n_kv_head=1, vocab_size=8), batch=1, seq=8,
+                  compile=True, steps=1, warmup=1, peak_measured=True, results=[base, cg])
+    row = bench.table(report).splitlines()[-1]
+    assert "26.00 (reserved)" in row and "n/a" in row and "0.50x mem" in row  # 26 / 52, not 26 / 50

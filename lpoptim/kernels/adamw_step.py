@@ -300,6 +300,7 @@ def _tables(batch, layout, block_g: int) -> _Plan:
                   for p, g, s, _l in batch)
     if addrs == plan.addr_key:
         return plan
+    _check_steps(batch)  # the kernel reads each step count through its address: it must be what it expects
     table = plan.tables.pop(addrs, None)  # gradients often come back to addresses seen a step or two ago
     if table is None and plan.addr_key is not None:
         # usually only gradients moved (set_to_none, or a step per parameter in backward)
@@ -321,6 +322,18 @@ def _tables(batch, layout, block_g: int) -> _Plan:
     plan.addr_key = addrs
     plan.ptrs, plan.aligned = table
     return plan
+
+
+def _check_steps(batch) -> None:
+    """Each state's "step" is one fp32 value on its parameter's device (as lpoptim makes it, and load_state_dict
+    converts it): a step put there by hand as fp64, an integer or on the CPU would be read as garbage or from an
+    address the GPU cannot reach, so it is refused here, where a table is built or patched."""
+    for p, _g, s, _l in batch:
+        step = s["step"]
+        if step.dtype != torch.float32 or step.device != p.device or step.numel() != 1:
+            raise ValueError(f"lpoptim.AdamW: a state's 'step' must be one float32 value on the parameter's device "
+                             f"({p.device}), got {step.dtype} {tuple(step.shape)} on {step.device}; load states "
+                             "with optimizer.load_state_dict, which converts them")
 
 
 def _to_device(table: torch.Tensor, dev) -> torch.Tensor:
