@@ -155,3 +155,36 @@ def test_per_tensor_pair_reference_rounds_once_with_the_same_bits(fmt):
         assert op.values.shape == ref.values.shape and op.values.is_contiguous()
         assert torch.equal(op.values.float().nan_to_num(7.0), ref.values.float().nan_to_num(7.0))
         assert torch.equal(op.scale, ref.scale)
+
+
+@pytest.mark.parametrize("had", [None, 32])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_row_pass_leaves_the_tensor_absmax_before_the_hadamard(had, transposed):
+    """tensor_max: the row kernel's first pass also takes x's own finite absmax (what a per-tensor copy of x needs),
+    before any Hadamard mixes it, and ignores inf and NaN; the codes are the same as without it."""
+    x = _x(37, 70, transposed)
+    x[5, 6], x[7, 8] = float("inf"), float("nan")
+    bits = torch.zeros((), dtype=torch.int32)
+    v, s = lq.quantize_rows(x, "int4_sym", "row", had, 96, tensor_max=bits)
+    assert bits.view(torch.float32) == 150.0  # the outlier _x plants; not a Hadamard-mixed value
+    v0, s0 = lq.quantize_rows(x, "int4_sym", "row", had, 96)
+    assert torch.equal(v.view(torch.uint8), v0.view(torch.uint8)) and torch.equal(s, s0)  # bits: NaN codes too
+    with pytest.raises(ValueError, match="tensor_max"):
+        lq.quantize_rows(x, "e4m3", "tensor", None, 96, tensor_max=bits)
+
+
+@pytest.mark.parametrize("recipe", ["int4", "fp4_fast"])
+def test_4bit_layer_saves_the_same_operands_with_the_fused_maxima(recipe):
+    """The 4-bit forward that takes x's and W's absmax in its row passes saves the xᵀ operand and W's statistic
+    that the separate passes give (here on the CPU: the kernel path is the GPU's, the values are the reference's)."""
+    from lpoptim.nn.functional import FUNCTIONS, _save_x_for_dw
+    from lpoptim.nn.operands import tensor_amax
+    from lpoptim.nn.recipes import get_recipe
+
+    r = get_recipe(recipe)
+    x, w = _x(40, 64, False), _x(32, 64, True, seed=2)
+    y, xt, w_stat = FUNCTIONS[r.fwd_fmt].forward_gemm_and_xt(x, w, r, torch.float32)
+    ref = _save_x_for_dw(x, r)
+    assert torch.equal(xt.values.float(), ref.values.float()) and torch.equal(xt.scale, ref.scale)
+    assert torch.equal(w_stat, tensor_amax(w))
+    assert torch.equal(y, FUNCTIONS[r.fwd_fmt].forward_gemm(x, w, r, torch.float32))

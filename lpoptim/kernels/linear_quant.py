@@ -37,13 +37,24 @@ def _load_hadamard(h_ptr, HB: tl.constexpr, BF16_DOT: tl.constexpr):
 
 
 @triton.jit
+def _load_raw(x_ptr, rows, c0, R, C, stride_r, stride_c, BLOCK_C: tl.constexpr):
+    """x[rows, c0:c0 + BLOCK_C] in x's dtype, zeros outside x."""
+    cols = c0 + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    return tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c, mask=mask,
+                   other=0.0)  # int64 offsets: operands past 2^31 elements
+
+
+@triton.jit
 def _load_tile(x_ptr, h, rows, c0, R, C, stride_r, stride_c, BLOCK_C: tl.constexpr,
                HAD: tl.constexpr, INV_SQRT: tl.constexpr, BF16_DOT: tl.constexpr):
     """x[rows, c0:c0 + BLOCK_C] in fp32, zeros outside x; with HAD, times the Hadamard ``h`` (_load_hadamard)."""
-    cols = c0 + tl.arange(0, BLOCK_C)
-    mask = (rows[:, None] < R) & (cols[None, :] < C)
-    t = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c, mask=mask,
-                other=0.0)  # int64 offsets: operands past 2^31 elements
+    return _transform(_load_raw(x_ptr, rows, c0, R, C, stride_r, stride_c, BLOCK_C), h, HAD, INV_SQRT, BF16_DOT)
+
+
+@triton.jit
+def _transform(t, h, HAD: tl.constexpr, INV_SQRT: tl.constexpr, BF16_DOT: tl.constexpr):
+    """A raw tile in fp32; with HAD, times the Hadamard ``h``."""
     if HAD:
         if BF16_DOT:
             t = tl.dot(t.to(tl.bfloat16), h, out_dtype=tl.float32)
@@ -94,12 +105,12 @@ def _quantize_tile(t, scale, FMAX: tl.constexpr, IS_INT: tl.constexpr, MAN: tl.c
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, R, C, CP, stride_r, stride_c,
+def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, tmax_ptr, R, C, CP, stride_r, stride_c,
                        INT: tl.constexpr, FMAX: tl.constexpr, MAN: tl.constexpr, EMIN: tl.constexpr,
                        QMIN: tl.constexpr, QMAX: tl.constexpr, NATIVE: tl.constexpr, E4M3: tl.constexpr,
                        HAD: tl.constexpr, INV_SQRT: tl.constexpr, BF16_DOT: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCK_C: tl.constexpr, COL_MAX: tl.constexpr, SCALE_FROM_MAX: tl.constexpr,
-                       ON_GPU: tl.constexpr, COLS_PER_PROGRAM: tl.constexpr):
+                       ON_GPU: tl.constexpr, COLS_PER_PROGRAM: tl.constexpr, TENSOR_MAX: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     if HAD:
@@ -117,15 +128,21 @@ def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, R, C, CP, s
             tl.store(scale_ptr + rows, scale, mask=rows < R)
     else:  # pass 1: the row's absmax over finite elements (the second pass re-reads from L2)
         amax = tl.zeros((BLOCK_R,), tl.float32)
+        raw_max = tl.zeros((BLOCK_R,), tl.float32)
         for c0 in range(0, CP, BLOCK_C):
-            t = finite_abs(_load_tile(x_ptr, h, rows, c0, R, C, stride_r, stride_c, BLOCK_C, HAD, INV_SQRT,
-                                      BF16_DOT))  # inf and NaN do not set the scale
+            raw = _load_raw(x_ptr, rows, c0, R, C, stride_r, stride_c, BLOCK_C)
+            if TENSOR_MAX:  # x's own finite absmax (before any Hadamard), for a per-tensor copy of x elsewhere
+                raw_max = tl.maximum(raw_max, tl.max(finite_abs(raw.to(tl.float32)), axis=1))
+            # inf and NaN do not set the scale
+            t = finite_abs(_transform(raw, h, HAD, INV_SQRT, BF16_DOT))
             amax = tl.maximum(amax, tl.max(t, axis=1))
             if COL_MAX:  # and each column's, for the transposed copy: |x| orders as its bits (int atomics)
                 cols = c0 + tl.arange(0, BLOCK_C)
                 tl.atomic_max(colmax_ptr + cols, tl.max(t, axis=0).to(tl.int32, bitcast=True), mask=cols < C)
         scale = _absmax_scale(amax, FMAX)
         tl.store(scale_ptr + rows, scale, mask=rows < R)
+        if TENSOR_MAX:  # |x| orders as its bits do: an int atomic (padding rows hold 0)
+            tl.atomic_max(tmax_ptr, tl.max(raw_max, axis=0).to(tl.int32, bitcast=True))
     for c0 in range(c_begin, c_end, BLOCK_C):
         t = _load_tile(x_ptr, h, rows, c0, R, C, stride_r, stride_c, BLOCK_C, HAD, INV_SQRT, BF16_DOT)
         q = _quantize_tile(t, scale[:, None], FMAX, INT, MAN, EMIN, QMIN, QMAX, NATIVE, E4M3,
@@ -150,17 +167,22 @@ TUNING = {"rows": dict(block_r=16, block_c=256, num_warps=4), "from_max": dict(b
 
 def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block: int | None = None,
                   cols: int | None = None, col_max: torch.Tensor | None = None,
-                  from_max: bool = False):
+                  from_max: bool = False, tensor_max: torch.Tensor | None = None):
     """Rows of 2-D ``x`` (any strides) -> (values (R, cols) fp8 contiguous, scale fp32 (R, 1) or 0-dim).
 
     Columns beyond x's are zero (padding for the GEMM). Same result as operands.quantize_operand_ref.
     ``col_max`` (int32, one per column, zeros): the row pass also leaves each column's finite absmax there (as
     fp32 bits); with ``from_max`` the rows' absmax is read from it instead (one pass; quantize_rows_and_cols).
+    ``tensor_max`` (one int32, zero): per row, the first pass also leaves x's own finite absmax there as fp32 bits
+    (before the Hadamard), what a per-tensor copy of x needs (``.view(torch.float32)``), without a pass of its own.
     """
     if (col_max is not None or from_max) and (granularity != "row" or hadamard_block):
         raise ValueError("col_max: per-row scales without a Hadamard block only")
     if from_max and col_max is None:
         raise ValueError("from_max reads the rows' maxima from col_max: pass it")
+    if tensor_max is not None and (granularity != "row" or from_max or tensor_max.numel() != 1
+                                   or tensor_max.dtype != torch.int32):
+        raise ValueError("tensor_max: one int32 (zero) with per-row scales, not with from_max")
     fmt = get_format(fmt)
     R, C = x.shape
     cols = C if cols is None else cols
@@ -187,12 +209,13 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
     # at least one column program: the one with program_id(1) == 0 writes the scales, even for zero columns
     grid = (triton.cdiv(R, block_r), max(1, triton.cdiv(cols, cols_per_program)) if from_max else 1)
     _quant_rows_kernel[grid](
-        x, out, scale, h, col_max if col_max is not None else scale, R, C, cols, x.stride(0), x.stride(1),
+        x, out, scale, h, col_max if col_max is not None else scale, tensor_max if tensor_max is not None else scale,
+        R, C, cols, x.stride(0), x.stride(1),
         **_grid_args(fmt, "", out), HAD=had, INV_SQRT=inv_sqrt(hadamard_block) if had else 1.0,
         # the interpreter's bf16 tl.dot returns garbage (triton 3.9); its fp32 'ieee' dot computes the same sums
         BF16_DOT=x.dtype == torch.bfloat16 and not interpreted(), BLOCK_R=block_r, BLOCK_C=block_c,
         COL_MAX=col_max is not None and not from_max, SCALE_FROM_MAX=from_max, ON_GPU=not interpreted(),
-        COLS_PER_PROGRAM=cols_per_program,
+        COLS_PER_PROGRAM=cols_per_program, TENSOR_MAX=tensor_max is not None,
         num_warps=tune["num_warps"],
     )
     return out, scale
