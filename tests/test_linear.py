@@ -289,10 +289,9 @@ def test_no_grad_forward_saves_no_transposed_copy(monkeypatch):
     monkeypatch.setattr(functional, "_save_x_for_dw", lambda *a: calls.append("xt") or real(*a))
     monkeypatch.setattr(functional, "quantize_operand_and_transpose", lambda *a, **k: calls.append("x+xt") or real_both(*a, **k))
     monkeypatch.setattr(functional, "_4bit_forward_and_xt", lambda *a: calls.append("4bit+xt") or real_4bit(*a))
-    # fp8: x and xᵀ together; 4-bit with an fp8 backward per tensor: xᵀ's absmax from x's row pass; int4_split:
-    # the 4-bit path declines (its backward is not fp8 per tensor) and xᵀ is made on its own
-    for recipe, made in (("fp8", ["x+xt"]), ("fp8_tensor", ["x+xt"]), ("int4", ["4bit+xt"]),
-                         ("fp4_fast", ["4bit+xt"]), ("int4_split", ["4bit+xt", "xt"])):
+    # fp8: x and xᵀ together; fp4_fast (fp8 backward per tensor): xᵀ's absmax from x's row pass; int4 (Hadamard):
+    # xᵀ on its own
+    for recipe, made in (("fp8", ["x+xt"]), ("fp8_tensor", ["x+xt"]), ("int4", ["xt"]), ("fp4_fast", ["4bit+xt"])):
         layer = convert_linears(torch.nn.Sequential(torch.nn.Linear(32, 16)), recipe)
         x = torch.randn(8, 32)
         with torch.no_grad():

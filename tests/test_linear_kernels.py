@@ -157,23 +157,25 @@ def test_per_tensor_pair_reference_rounds_once_with_the_same_bits(fmt):
         assert torch.equal(op.scale, ref.scale)
 
 
-@pytest.mark.parametrize("had", [None, 32])
+@pytest.mark.parametrize("fmt", ["e2m1", "e4m3"])
 @pytest.mark.parametrize("transposed", [False, True])
-def test_row_pass_leaves_the_tensor_absmax_before_the_hadamard(had, transposed):
-    """tensor_max: the row kernel's first pass also takes x's own finite absmax (what a per-tensor copy of x needs),
-    before any Hadamard mixes it, and ignores inf and NaN; the codes are the same as without it."""
+def test_row_pass_leaves_the_tensor_absmax(fmt, transposed):
+    """tensor_max: the row kernel's first pass also leaves x's finite absmax (what a per-tensor copy of x needs),
+    ignoring inf and NaN; the codes are the same as without it."""
     x = _x(37, 70, transposed)
     x[5, 6], x[7, 8] = float("inf"), float("nan")
     bits = torch.zeros((), dtype=torch.int32)
-    v, s = lq.quantize_rows(x, "int4_sym", "row", had, 96, tensor_max=bits)
-    assert bits.view(torch.float32) == 150.0  # the outlier _x plants; not a Hadamard-mixed value
-    v0, s0 = lq.quantize_rows(x, "int4_sym", "row", had, 96)
+    v, s = lq.quantize_rows(x, fmt, "row", None, 96, tensor_max=bits)
+    assert bits.view(torch.float32) == 150.0  # the outlier _x plants
+    v0, s0 = lq.quantize_rows(x, fmt, "row", None, 96)
     assert torch.equal(v.view(torch.uint8), v0.view(torch.uint8)) and torch.equal(s, s0)  # bits: NaN codes too
-    with pytest.raises(ValueError, match="tensor_max"):
-        lq.quantize_rows(x, "e4m3", "tensor", None, 96, tensor_max=bits)
+    for bad in (dict(granularity="tensor"), dict(hadamard_block=32)):
+        with pytest.raises(ValueError, match="tensor_max"):
+            lq.quantize_rows(x, **{"fmt": fmt, "granularity": "row", "hadamard_block": None, "cols": 96, **bad},
+                             tensor_max=bits)
 
 
-@pytest.mark.parametrize("recipe", ["int4", "fp4_fast"])
+@pytest.mark.parametrize("recipe", ["fp4_fast"])
 def test_4bit_layer_saves_the_same_operands_with_the_fused_maxima(recipe):
     """The 4-bit forward that takes x's and W's absmax in its row passes saves the xᵀ operand and W's statistic
     that the separate passes give (here on the CPU: the kernel path is the GPU's, the values are the reference's)."""

@@ -37,24 +37,13 @@ def _load_hadamard(h_ptr, HB: tl.constexpr, BF16_DOT: tl.constexpr):
 
 
 @triton.jit
-def _load_raw(x_ptr, rows, c0, R, C, stride_r, stride_c, BLOCK_C: tl.constexpr):
-    """x[rows, c0:c0 + BLOCK_C] in x's dtype, zeros outside x."""
-    cols = c0 + tl.arange(0, BLOCK_C)
-    mask = (rows[:, None] < R) & (cols[None, :] < C)
-    return tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c, mask=mask,
-                   other=0.0)  # int64 offsets: operands past 2^31 elements
-
-
-@triton.jit
 def _load_tile(x_ptr, h, rows, c0, R, C, stride_r, stride_c, BLOCK_C: tl.constexpr,
                HAD: tl.constexpr, INV_SQRT: tl.constexpr, BF16_DOT: tl.constexpr):
     """x[rows, c0:c0 + BLOCK_C] in fp32, zeros outside x; with HAD, times the Hadamard ``h`` (_load_hadamard)."""
-    return _transform(_load_raw(x_ptr, rows, c0, R, C, stride_r, stride_c, BLOCK_C), h, HAD, INV_SQRT, BF16_DOT)
-
-
-@triton.jit
-def _transform(t, h, HAD: tl.constexpr, INV_SQRT: tl.constexpr, BF16_DOT: tl.constexpr):
-    """A raw tile in fp32; with HAD, times the Hadamard ``h``."""
+    cols = c0 + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    t = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c, mask=mask,
+                other=0.0)  # int64 offsets: operands past 2^31 elements
     if HAD:
         if BF16_DOT:
             t = tl.dot(t.to(tl.bfloat16), h, out_dtype=tl.float32)
@@ -128,21 +117,17 @@ def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, tmax_ptr, R
             tl.store(scale_ptr + rows, scale, mask=rows < R)
     else:  # pass 1: the row's absmax over finite elements (the second pass re-reads from L2)
         amax = tl.zeros((BLOCK_R,), tl.float32)
-        raw_max = tl.zeros((BLOCK_R,), tl.float32)
         for c0 in range(0, CP, BLOCK_C):
-            raw = _load_raw(x_ptr, rows, c0, R, C, stride_r, stride_c, BLOCK_C)
-            if TENSOR_MAX:  # x's own finite absmax (before any Hadamard), for a per-tensor copy of x elsewhere
-                raw_max = tl.maximum(raw_max, tl.max(finite_abs(raw.to(tl.float32)), axis=1))
-            # inf and NaN do not set the scale
-            t = finite_abs(_transform(raw, h, HAD, INV_SQRT, BF16_DOT))
+            t = finite_abs(_load_tile(x_ptr, h, rows, c0, R, C, stride_r, stride_c, BLOCK_C, HAD, INV_SQRT,
+                                      BF16_DOT))  # inf and NaN do not set the scale
             amax = tl.maximum(amax, tl.max(t, axis=1))
             if COL_MAX:  # and each column's, for the transposed copy: |x| orders as its bits (int atomics)
                 cols = c0 + tl.arange(0, BLOCK_C)
                 tl.atomic_max(colmax_ptr + cols, tl.max(t, axis=0).to(tl.int32, bitcast=True), mask=cols < C)
         scale = _absmax_scale(amax, FMAX)
         tl.store(scale_ptr + rows, scale, mask=rows < R)
-        if TENSOR_MAX:  # |x| orders as its bits do: an int atomic (padding rows hold 0)
-            tl.atomic_max(tmax_ptr, tl.max(raw_max, axis=0).to(tl.int32, bitcast=True))
+        if TENSOR_MAX:  # x's finite absmax is the largest row's (no Hadamard): an int atomic, |x| orders as its bits
+            tl.atomic_max(tmax_ptr, tl.max(amax, axis=0).to(tl.int32, bitcast=True))
     for c0 in range(c_begin, c_end, BLOCK_C):
         t = _load_tile(x_ptr, h, rows, c0, R, C, stride_r, stride_c, BLOCK_C, HAD, INV_SQRT, BF16_DOT)
         q = _quantize_tile(t, scale[:, None], FMAX, INT, MAN, EMIN, QMIN, QMAX, NATIVE, E4M3,
@@ -173,16 +158,18 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
     Columns beyond x's are zero (padding for the GEMM). Same result as operands.quantize_operand_ref.
     ``col_max`` (int32, one per column, zeros): the row pass also leaves each column's finite absmax there (as
     fp32 bits); with ``from_max`` the rows' absmax is read from it instead (one pass; quantize_rows_and_cols).
-    ``tensor_max`` (one int32, zero): per row, the first pass also leaves x's own finite absmax there as fp32 bits
-    (before the Hadamard), what a per-tensor copy of x needs (``.view(torch.float32)``), without a pass of its own.
+    ``tensor_max`` (one int32, zero): per row without a Hadamard, the first pass also leaves x's finite absmax
+    there as fp32 bits, what a per-tensor copy of x needs (``.view(torch.float32)``), without a pass of its own.
+    (With a Hadamard the rows' maxima are of the mixed values; taking x's own alongside slowed the kernel by more
+    than a separate absmax pass costs: measured on an H100, docs/results/profile_linear_4bit_fused_maxima_h100.txt.)
     """
     if (col_max is not None or from_max) and (granularity != "row" or hadamard_block):
         raise ValueError("col_max: per-row scales without a Hadamard block only")
     if from_max and col_max is None:
         raise ValueError("from_max reads the rows' maxima from col_max: pass it")
-    if tensor_max is not None and (granularity != "row" or from_max or tensor_max.numel() != 1
+    if tensor_max is not None and (granularity != "row" or from_max or hadamard_block or tensor_max.numel() != 1
                                    or tensor_max.dtype != torch.int32):
-        raise ValueError("tensor_max: one int32 (zero) with per-row scales, not with from_max")
+        raise ValueError("tensor_max: one int32 (zero) with per-row scales, without from_max or a Hadamard block")
     fmt = get_format(fmt)
     R, C = x.shape
     cols = C if cols is None else cols

@@ -49,14 +49,14 @@ def _quantize_wt(w, r: Recipe, w_stat) -> Operand:
     return quantize_transpose_from_max(w, r.bwd_fmt, w_stat)
 
 
-def _4bit_forward_and_xt(x2, w, r: Recipe, out_dtype, hadamard_block: int | None):
-    """The 4-bit forward GEMM (x and W per row, after a Hadamard where given) and, for an fp8 backward per tensor,
-    the saved xᵀ and W's absmax (the backward's Wᵀ scale): both maxima taken by the row quantizers' first passes,
-    so neither xᵀ nor Wᵀ needs an absmax pass of its own. (None, None, None) for other backwards."""
+def _4bit_forward_and_xt(x2, w, r: Recipe, out_dtype):
+    """The 4-bit forward GEMM (x and W per row, no Hadamard) and, for an fp8 backward per tensor, the saved xᵀ and
+    W's absmax (the backward's Wᵀ scale): both maxima taken by the row quantizers' first passes, so neither xᵀ nor
+    Wᵀ needs an absmax pass of its own. (None, None, None) for other backwards."""
     if r.backward != "fp8" or r.backward_granularity != "tensor":
         return None, None, None
-    xq, x_amax = quantize_operand_keep_tensor_max(x2, r.fwd_fmt, hadamard_block)
-    wq, w_amax = quantize_operand_keep_tensor_max(w, r.fwd_fmt, hadamard_block)
+    xq, x_amax = quantize_operand_keep_tensor_max(x2, r.fwd_fmt)
+    wq, w_amax = quantize_operand_keep_tensor_max(w, r.fwd_fmt)
     xt = quantize_operand(x2.t(), r.bwd_fmt, "tensor", amax=x_amax)
     return gemm(xq, wq, out_dtype), xt, w_amax
 
@@ -226,7 +226,7 @@ class Fp4LinearFunction(_LowBitLinearFunction):
         # per-row E2M1 without outlier clamping or power-of-two blocks (fp4_fast): the fused 4-bit path
         if r.occ_alpha is not None or r.fp4_block or r.granularity != "row":
             return None, None, None
-        return _4bit_forward_and_xt(x2, w, r, out_dtype, None)
+        return _4bit_forward_and_xt(x2, w, r, out_dtype)
 
     @staticmethod
     def has_weight_grad_factor(r):
@@ -262,9 +262,6 @@ class Int4LinearFunction(_LowBitLinearFunction):
         b = pick_block(w.shape[1], r.hadamard_block)
         return gemm(quantize_operand(x2, r.fwd_fmt, "row", b), quantize_operand(w, r.fwd_fmt, "row", b), out_dtype)
 
-    @staticmethod
-    def forward_gemm_and_xt(x2, w, r, out_dtype):
-        return _4bit_forward_and_xt(x2, w, r, out_dtype, pick_block(w.shape[1], r.hadamard_block))
 
 
 FUNCTIONS = {"e4m3": Fp8LinearFunction, "e2m1": Fp4LinearFunction, "int4_sym": Int4LinearFunction,

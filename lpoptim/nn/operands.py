@@ -161,17 +161,15 @@ def quantize_operand_keep_col_max(x: torch.Tensor, fmt, pad_to: int = 16) -> tup
     return Operand(values, scale), col_max
 
 
-def quantize_operand_keep_tensor_max(x: torch.Tensor, fmt, hadamard_block: int | None = None,
-                                     pad_to: int = 16) -> tuple[Operand, torch.Tensor]:
-    """quantize_operand(x, fmt, "row", hadamard_block), and x's own finite absmax (before the Hadamard; 0-dim fp32),
-    what a per-tensor copy of x (or of x.t()) needs as ``amax``. On CUDA the row kernel's first pass takes it on
-    the way (no pass of its own); elsewhere tensor_amax does."""
+def quantize_operand_keep_tensor_max(x: torch.Tensor, fmt, pad_to: int = 16) -> tuple[Operand, torch.Tensor]:
+    """quantize_operand(x, fmt, "row"), and x's finite absmax (0-dim fp32), what a per-tensor copy of x (or of
+    x.t()) needs as ``amax``. On CUDA the row kernel's first pass takes it on the way (no pass of its own);
+    elsewhere tensor_amax does."""
     if not (use_kernels(x) and x.dim() == 2):
-        return quantize_operand(x, fmt, "row", hadamard_block, pad_to), tensor_amax(x)
+        return quantize_operand(x, fmt, "row", None, pad_to), tensor_amax(x)
     from ..kernels.linear_quant import quantize_rows
     bits = torch.zeros((), device=x.device, dtype=torch.int32)  # +0.0
-    cols = padded(x.shape[1], math.lcm(pad_to, hadamard_block or 1))
-    values, scale = quantize_rows(x, get_format(fmt), "row", hadamard_block, cols, tensor_max=bits)
+    values, scale = quantize_rows(x, get_format(fmt), "row", None, padded(x.shape[1], pad_to), tensor_max=bits)
     return Operand(values, scale), bits.view(torch.float32)
 
 
