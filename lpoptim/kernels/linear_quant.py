@@ -146,6 +146,10 @@ TUNING = {"rows": dict(block_r=16, block_c=256, num_warps=4), "from_max": dict(b
           # quant_tune_tensor_h100.txt): 32 x 256 with 8 warps 1.22 / 1.55 TB/s on 16384 x 4096 / x 11008, the best
           # on both (32 x 128: 0.88 / 1.50)
           "tensor": dict(block_r=32, block_c=256, num_warps=8),
+          # per tensor, the transposed copy alone (xᵀ for dW, Wᵀ for dx): its stores run along x's rows, so more
+          # rows per tile (quant_tune --modes tensor_cols, docs/results/quant_tune_tensor_cols_h100.txt): 128 x 64
+          # with 8 warps 0.126 / 0.268 ms on 16384 x 4096 / x 11008 (32 x 256: 0.151 / 0.264)
+          "tensor_cols": dict(block_r=128, block_c=64, num_warps=8),
           # with a block Hadamard (the tile's columns are one Hadamard block): rows per program for its tl.dot
           "hadamard": dict(block_r=64, num_warps=8)}
 
@@ -290,7 +294,7 @@ def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int |
                 torch.empty((), device=x.device, dtype=torch.float32))
     rp = col_cols if cols else R
     cp = row_cols if rows else C
-    tune = TUNING["tensor"]
+    tune = TUNING["tensor_cols" if rows is None else "tensor"]
     block_r, block_c = tune["block_r"], tune["block_c"]
     if max(R, rp) and max(C, cp):
         grid = (triton.cdiv(max(R, rp), block_r), triton.cdiv(max(C, cp), block_c))
