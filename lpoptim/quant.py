@@ -51,12 +51,12 @@ def to_groups(x: torch.Tensor, group_size: int, fill: float = 0.0) -> torch.Tens
     pad = (-n) % group_size
     if pad:
         x = torch.nn.functional.pad(x, (0, pad), value=fill)
-    return x.reshape(r, -1, group_size)
+    return x.reshape(r, (n + pad) // group_size, group_size)  # explicit: -1 is ambiguous with no rows
 
 
 def from_groups(g: torch.Tensor, shape) -> torch.Tensor:
     r, n = rows_of(shape)
-    return g.reshape(r, -1)[:, :n].reshape(shape)
+    return g.reshape(r, g.numel() // r if r else 0)[:, :n].reshape(shape)
 
 
 # ---- plain absmax scaling ----------------------------------------------------------------------------------
@@ -83,7 +83,13 @@ class Quantized:
 def finite_absmax(x: torch.Tensor, dim=None, keepdim=False) -> torch.Tensor:
     """max |x| over finite elements (0 if none): NaN and inf never set a scale."""
     a = torch.where(torch.isfinite(x), x.abs(), torch.zeros((), device=x.device, dtype=x.dtype))
-    return a.amax() if dim is None else a.amax(dim=dim, keepdim=keepdim)
+    if dim is None:
+        return a.amax() if a.numel() else a.new_zeros(())
+    if a.numel() == 0 and isinstance(dim, int) and a.shape[dim] == 0:  # nothing to reduce (no tokens): 0
+        d = dim % a.dim()
+        shape = [1 if i == d else n for i, n in enumerate(a.shape) if keepdim or i != d]
+        return a.new_zeros(shape)
+    return a.amax(dim=dim, keepdim=keepdim)
 
 
 def pow2_block_exponent(amax: torch.Tensor, fmax: float, emin: int, emax: int = 127) -> torch.Tensor:

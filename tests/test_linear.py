@@ -350,3 +350,16 @@ def test_weight_absmax_carried_to_the_backward_gives_the_same_operand():
         quantize_operand(w, "e4m3", "tensor", amax=tensor_amax(w).double())
     with pytest.raises(ValueError, match="does not fit"):  # an absmax where column maxima are expected
         _quantize_wt(w, get_recipe("fp8"), tensor_amax(w))
+
+
+@pytest.mark.parametrize("recipe", sorted(__import__("lpoptim.nn.recipes", fromlist=["RECIPES"]).RECIPES))
+def test_no_tokens_gives_empty_output_and_zero_weight_grad(recipe):
+    """A batch with no tokens (an empty shard, a filtered batch): every recipe returns an empty output and a zero
+    weight gradient instead of failing in an absmax or quantile over nothing."""
+    layer = LowBitLinear(32, 16, recipe=recipe)
+    x = torch.randn(0, 32, requires_grad=True)
+    y = layer(x)
+    assert y.shape == (0, 16)
+    y.sum().backward()
+    assert x.grad.shape == (0, 32)
+    assert layer.weight.grad is not None and not layer.weight.grad.any()

@@ -133,3 +133,22 @@ def test_carried_absmax_matches_a_fresh_one_on_gpu(dtype):
     carried = quantize_operand(w.t(), "e4m3", "tensor", amax=tensor_amax(w))
     assert torch.equal(carried.values.view(torch.uint8), fresh.values.view(torch.uint8))
     assert torch.equal(carried.scale, fresh.scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_transposed_copy_alone_and_fused_maxima_match_the_reference_on_gpu(dtype):
+    """The per-tensor transposed copy alone (xᵀ, Wᵀ: its own tile) and the row pass's tensor maximum (fp4_fast's
+    saved xᵀ and W statistic) give the reference's bits, with rows not a multiple of any tile and inf / NaN in x."""
+    from lpoptim.nn.operands import quantize_operand, quantize_operand_keep_tensor_max
+    from lpoptim.quant import finite_absmax
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = (torch.randn(1000, 700, device="cuda", generator=g) * 3).to(dtype)
+    x[9, 11], x[20, 3], x[30, 4] = float("inf"), float("nan"), -1e4
+    for fmt in ("e4m3", "e5m2"):
+        got, want = quantize_operand(x.t(), fmt, "tensor"), quantize_operand_ref(x.t(), fmt, "tensor", None, 1008)
+        assert torch.equal(got.values.view(torch.uint8), want.values.view(torch.uint8)) and torch.equal(got.scale, want.scale)
+    op, amax = quantize_operand_keep_tensor_max(x, "e2m1")
+    ref = quantize_operand_ref(x, "e2m1", "row", None, 704)
+    assert torch.equal(op.values.view(torch.uint8), ref.values.view(torch.uint8)) and torch.equal(op.scale, ref.scale)
+    assert amax.item() == finite_absmax(x.float()).item() == abs(x[30, 4].item())  # -1e4 as the dtype holds it

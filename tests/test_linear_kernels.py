@@ -112,7 +112,7 @@ def test_finite_absmax_kernel_matches_torch(transposed):
 def test_per_tensor_rows_and_cols_match_the_references(row_fmt, col_fmt, dtype, transposed):
     """One per-tensor pass writes x and xᵀ (each padded with zeros, each with its own format's scale) with the
     bits of quantizing x and x.t() on their own; non-finite values set no scale; any strides."""
-    x = _x(150, 37, transposed, dtype)  # 150 tokens: three row tiles, the last one partial
+    x = _x(150, 37, transposed, dtype)  # 150 tokens: row tiles of 32 (of 128 for the transposed copy alone), the last partial
     x[9, 11], x[20, 3] = float("inf"), float("nan")
     rows, cols = lq.quantize_tensor_rows_cols(x, row_fmt, col_fmt, 48 if row_fmt else None, 160 if col_fmt else None)
     assert (rows is None) == (row_fmt is None) and (cols is None) == (col_fmt is None)
@@ -175,18 +175,31 @@ def test_row_pass_leaves_the_tensor_absmax(fmt, transposed):
                              tensor_max=bits)
 
 
-@pytest.mark.parametrize("recipe", ["fp4_fast"])
-def test_4bit_layer_saves_the_same_operands_with_the_fused_maxima(recipe):
-    """The 4-bit forward that takes x's and W's absmax in its row passes saves the xᵀ operand and W's statistic
-    that the separate passes give (here on the CPU: the kernel path is the GPU's, the values are the reference's)."""
-    from lpoptim.nn.functional import FUNCTIONS, _save_x_for_dw
-    from lpoptim.nn.operands import tensor_amax
+@pytest.mark.parametrize("case", ["fp32", "bf16", "view", "nonfinite", "no_tokens"])
+def test_fp4_fast_saves_the_same_operands_with_the_fused_maxima(monkeypatch, case):
+    """fp4_fast's forward, with x's and W's absmax taken in its row passes (the kernels forced on, run by the
+    interpreter), saves the xᵀ operand and W's statistic that the separate passes give, and the same y."""
+    from lpoptim.nn import functional, operands
+    from lpoptim.nn.functional import FUNCTIONS, _quantize_wt, _save_x_for_dw
     from lpoptim.nn.recipes import get_recipe
 
-    r = get_recipe(recipe)
+    r = get_recipe("fp4_fast")
     x, w = _x(40, 64, False), _x(32, 64, True, seed=2)
-    y, xt, w_stat = FUNCTIONS[r.fwd_fmt].forward_gemm_and_xt(x, w, r, torch.float32)
-    ref = _save_x_for_dw(x, r)
-    assert torch.equal(xt.values.float(), ref.values.float()) and torch.equal(xt.scale, ref.scale)
-    assert torch.equal(w_stat, tensor_amax(w))
-    assert torch.equal(y, FUNCTIONS[r.fwd_fmt].forward_gemm(x, w, r, torch.float32))
+    if case == "bf16":
+        x = x.to(torch.bfloat16)
+    elif case == "view":
+        x = _x(40, 128, False)[:, 32:96]  # rows of a wider tensor: strided
+    elif case == "nonfinite":
+        x[3, 5], x[6, 7], w[2, 2] = float("nan"), float("-inf"), float("inf")
+    elif case == "no_tokens":
+        x = x[:0]
+    fn = FUNCTIONS[r.fwd_fmt]
+    ref_y, ref_xt, ref_wt = fn.forward_gemm(x, w, r, torch.float32), _save_x_for_dw(x, r), _quantize_wt(w, r, None)
+    for module in (functional, operands):
+        monkeypatch.setattr(module, "use_kernels", lambda t: True)
+    y, xt, w_stat = fn.forward_gemm_and_xt(x, w, r, torch.float32)
+    wt = _quantize_wt(w, r, w_stat)
+    for got, want in ((xt, ref_xt), (wt, ref_wt)):
+        assert torch.equal(got.values.view(torch.uint8), want.values.view(torch.uint8))
+        assert torch.equal(got.scale, want.scale)
+    assert torch.equal(y.nan_to_num(7.0), ref_y.nan_to_num(7.0))

@@ -146,10 +146,11 @@ TUNING = {"rows": dict(block_r=16, block_c=256, num_warps=4), "from_max": dict(b
           # quant_tune_tensor_h100.txt): 32 x 256 with 8 warps 1.22 / 1.55 TB/s on 16384 x 4096 / x 11008, the best
           # on both (32 x 128: 0.88 / 1.50)
           "tensor": dict(block_r=32, block_c=256, num_warps=8),
-          # per tensor, the transposed copy alone (xᵀ for dW, Wᵀ for dx): its stores run along x's rows, so more
-          # rows per tile (quant_tune --modes tensor_cols, docs/results/quant_tune_tensor_cols_h100.txt): 128 x 64
-          # with 8 warps 0.126 / 0.268 ms on 16384 x 4096 / x 11008 (32 x 256: 0.151 / 0.264)
-          "tensor_cols": dict(block_r=128, block_c=64, num_warps=8),
+          # per tensor, the transposed copy alone (xᵀ for dW, Wᵀ for dx). Swept alone (quant_tune --modes
+          # tensor_cols, docs/results/quant_tune_tensor_cols_h100.txt) 128 x 64 with 8 warps took 0.126 ms on
+          # 16384 x 4096 against this tile's 0.151, but in the layers (fp8_tensor, int4, fp4_fast, 4096 x 4096,
+          # same H100, two A/B rounds) it did not show, and int4's synchronized step was slower in both: kept as is
+          "tensor_cols": dict(block_r=32, block_c=256, num_warps=8),
           # with a block Hadamard (the tile's columns are one Hadamard block): rows per program for its tl.dot
           "hadamard": dict(block_r=64, num_warps=8)}
 
@@ -172,8 +173,11 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
     if from_max and col_max is None:
         raise ValueError("from_max reads the rows' maxima from col_max: pass it")
     if tensor_max is not None and (granularity != "row" or from_max or hadamard_block or tensor_max.numel() != 1
-                                   or tensor_max.dtype != torch.int32):
-        raise ValueError("tensor_max: one int32 (zero) with per-row scales, without from_max or a Hadamard block")
+                                   or tensor_max.dtype != torch.int32 or tensor_max.device != x.device):
+        raise ValueError("tensor_max: one int32 (zero) on x's device, with per-row scales, without from_max or a "
+                         "Hadamard block")
+    if col_max is not None and (col_max.dtype != torch.int32 or col_max.device != x.device):
+        raise ValueError("col_max: int32 on x's device")
     fmt = get_format(fmt)
     R, C = x.shape
     cols = C if cols is None else cols

@@ -31,6 +31,8 @@ def occ_threshold(x: torch.Tensor, alpha: float, max_samples: int = 1 << 20) -> 
     An exact quantile of a 16384×4096 activation needs a sort of 67 M elements; a strided sample of 1 M gives
     the same clamp to within the sample's resolution (about 1e-3 in quantile)."""
     a = x.detach().reshape(-1)
+    if a.numel() == 0:  # no tokens: nothing to clamp
+        return a.new_zeros((), dtype=torch.float32)
     step = max(1, math.ceil(a.numel() / max_samples))
     s = a[::step].float().abs()
     k = min(s.numel(), max(1, math.ceil(alpha * s.numel())))

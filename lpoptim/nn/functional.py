@@ -146,7 +146,7 @@ class _LowBitLinearFunction(torch.autograd.Function):
 def lowbit_forward(x2, w, bias, r: Recipe, out_dtype: torch.dtype, want_xt: bool):
     """y = x2 Wᵀ + b in ``out_dtype`` with the recipe's forward GEMM, and (when ``want_xt``) the saved xᵀ operand
     for dW and W's statistic for the backward's Wᵀ (fp8: per row on CUDA its column maxima, per tensor its absmax;
-    else None)."""
+    fp4_fast: its absmax; else None)."""
     fn = FUNCTIONS[r.fwd_fmt]
     y = xt = w_stat = None
     if want_xt:
@@ -261,7 +261,6 @@ class Int4LinearFunction(_LowBitLinearFunction):
     def forward_gemm(x2, w, r, out_dtype):
         b = pick_block(w.shape[1], r.hadamard_block)
         return gemm(quantize_operand(x2, r.fwd_fmt, "row", b), quantize_operand(w, r.fwd_fmt, "row", b), out_dtype)
-
 
 
 FUNCTIONS = {"e4m3": Fp8LinearFunction, "e2m1": Fp4LinearFunction, "int4_sym": Int4LinearFunction,
