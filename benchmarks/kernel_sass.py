@@ -49,7 +49,7 @@ def offline_ptx(dtype: torch.dtype, stochastic: bool) -> dict:
     consts = dict(PARAM_DTYPE=kernel._TL_DTYPES[dtype], G=LPOPTIM_DEFAULTS["group_size"],
                   BLOCK_G=kernel.TUNING["block_groups"], LOOP=kernel.TUNING["loop"],
                   **kernel._format_args("e4m3", "M"), **kernel._format_args("e4m3", "V"), QUANT=True, EXPANSION=True,
-                  SQRT_V=False, AMSGRAD=False, MAXIMIZE=False, DECAY_IS_PTR=False, HAS_GRAD_SCALE=False,
+                  SQRT_V=False, AMSGRAD=False, MAXIMIZE=False, LR_IS_TENSOR=False, HAS_GRAD_SCALE=False,
                   HAS_FOUND_INF=False, EVEN_ROWS=True, ON_GPU=True, STOCHASTIC=stochastic, ALIGNED=True)
     pointers = {"ptrs": "*i64", "dims": "*i32", "blocks": "*i32", "salt_ptr": "*i32"}
     sig = {n: "constexpr" if n in consts else pointers.get(n, "*fp32") if n in pointers or n.endswith("_ptr")

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.timing import profile_steps  # noqa: E402
+from benchmarks.timing import kernel_events, profile_steps  # noqa: E402
 from lpoptim.bench import DEFAULT_SHAPE, autocast_loss, build, stack_context, stack_of, unavailable  # noqa: E402
 from lpoptim.train.llama import PRESETS  # noqa: E402
 
@@ -54,12 +54,8 @@ def kernel_kinds(events) -> dict:
     """GPU kernel time per step by kind, from the kernels' names (the first kind whose pattern a name holds);
     'other' is the rest (norms, activations, residual adds, copies)."""
     out = {k: 0.0 for k, _ in KINDS} | {"other": 0.0}
-    for e in events:
-        if e.device_type != torch.autograd.DeviceType.CUDA or not e.self_device_time_total:
-            continue
+    for e in kernel_events(events):
         name = e.key.lower()
-        if "command buffer full" in name:  # the host waiting on a full launch queue, not a kernel
-            continue
         kind = next((k for k, pats in KINDS if any(p in name for p in pats)), "other")
         out[kind] += e.self_device_time_total / 1e3
     return out

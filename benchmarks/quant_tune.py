@@ -1,11 +1,10 @@
 """Tile shapes of the operand quantizer (lpoptim/kernels/linear_quant.py TUNING): achieved bandwidth per shape.
 
-    PYTHONPATH=$PWD python3 benchmarks/quant_tune.py [--modes rows,from_max,tensor,tensor_cols,hadamard]
+    PYTHONPATH=$PWD python3 benchmarks/quant_tune.py [--modes rows,from_max,tensor,hadamard]
 
 Times quantize_rows per row ("rows"), the one-pass column quantizer with known scales ("from_max", as
 quantize_rows_and_cols runs it) and the per-tensor quantizer writing x and xᵀ ("tensor",
-quantize_tensor_rows_cols, its absmax pass included), the transposed per-tensor copy alone with its absmax known
-("tensor_cols": xᵀ for dW, Wᵀ for dx), and INT4 after a block Hadamard of 128 ("hadamard") on bf16 tensors of the fp8 linears' sizes (x: 16384 x 4096,
+quantize_tensor_rows_cols, its absmax pass included), and INT4 after a block Hadamard of 128 ("hadamard") on bf16 tensors of the fp8 linears' sizes (x: 16384 x 4096,
 dy: 16384 x 11008), CUDA events, median of 20; bandwidth counts x read once and the fp8 copies written.
 """
 import argparse
@@ -24,7 +23,6 @@ from lpoptim.kernels import linear_quant as lq  # noqa: E402
 # (rows per program, columns per tile) swept per mode
 TILES = {"rows": ((16, 32, 64), (128, 256, 512)), "from_max": ((16, 32, 64), (128, 256, 512)),
          "tensor": ((32, 64, 128), (64, 128, 256)),
-         "tensor_cols": ((32, 64, 128, 256), (32, 64, 128, 256)),
          "hadamard": ((16, 32, 64, 128), (128,))}  # INT4 after a Hadamard of 128: the tile's width is the block
 
 
@@ -43,15 +41,12 @@ def main():
                     continue
                 lq.TUNING[mode] = dict(block_r=br, block_c=bc, num_warps=nw)
                 nbytes = x.numel() * (4 if mode == "tensor" else 3)
-                amax = lq.finite_absmax(x)
                 if mode == "rows":
                     fn = lambda: lq.quantize_rows(x, E4M3, "row", None, k)  # noqa: E731
                 elif mode == "hadamard":
                     fn = lambda: lq.quantize_rows(x, "int4_sym", "row", 128, k)  # noqa: E731
                 elif mode == "tensor":
                     fn = lambda: lq.quantize_tensor_rows_cols(x, E4M3, E4M3, k, m)  # noqa: E731
-                elif mode == "tensor_cols":  # the transposed copy alone, its absmax known (xᵀ, Wᵀ)
-                    fn = lambda: lq.quantize_tensor_rows_cols(x, None, E4M3, None, m, amax)  # noqa: E731
                 else:
                     fn = lambda: lq.quantize_rows(x.t(), E4M3, "row", None, m, col_max=col_max, from_max=True)  # noqa: E731
                 ms = timer(fn, 1, 20, cuda=True)

@@ -45,7 +45,12 @@ def profile_steps(step, steps: int = 1):
         sync()
     wall_ms = (time.perf_counter() - t0) * 1e3 / steps
     events = prof.key_averages()
-    # "Command Buffer Full" is the host waiting on a full launch queue, listed as a device event: not a kernel
-    gpu_ms = sum(e.self_device_time_total for e in events
-                 if e.device_type == torch.autograd.DeviceType.CUDA and "command buffer full" not in e.key.lower()) / 1e3 / steps
+    gpu_ms = sum(e.self_device_time_total for e in kernel_events(events)) / 1e3 / steps
     return wall_ms, gpu_ms, events
+
+
+def kernel_events(events):
+    """The GPU kernels among a profile's key_averages(). "Command Buffer Full" is the host waiting on a full launch
+    queue, listed as a device event: not a kernel."""
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total
+            and "command buffer full" not in e.key.lower()]

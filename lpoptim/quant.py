@@ -83,13 +83,9 @@ class Quantized:
 def finite_absmax(x: torch.Tensor, dim=None, keepdim=False) -> torch.Tensor:
     """max |x| over finite elements (0 if none): NaN and inf never set a scale."""
     a = torch.where(torch.isfinite(x), x.abs(), torch.zeros((), device=x.device, dtype=x.dtype))
-    if dim is None:
-        return a.amax() if a.numel() else a.new_zeros(())
-    if a.numel() == 0 and isinstance(dim, int) and a.shape[dim] == 0:  # nothing to reduce (no tokens): 0
-        d = dim % a.dim()
-        shape = [1 if i == d else n for i, n in enumerate(a.shape) if keepdim or i != d]
-        return a.new_zeros(shape)
-    return a.amax(dim=dim, keepdim=keepdim)
+    if a.numel() == 0:  # nothing to reduce (no tokens): 0, as for an all-zero row; amax refuses empty dims
+        return a.sum() if dim is None else a.sum(dim=dim, keepdim=keepdim)
+    return a.amax() if dim is None else a.amax(dim=dim, keepdim=keepdim)
 
 
 def pow2_block_exponent(amax: torch.Tensor, fmax: float, emin: int, emax: int = 127) -> torch.Tensor:
@@ -120,15 +116,12 @@ def tensor_or_row_scale(x32: torch.Tensor, fmt: FloatFormat | IntFormat, granula
 
 
 def quantize(x: torch.Tensor, fmt="e4m3", granularity: str = "tensor", group_size: int = 128,
-             noise: torch.Tensor | None = None, to_dtype: bool = False, amax: torch.Tensor | None = None) -> Quantized:
-    """Absmax-scaled quantization. ``granularity``: "tensor", "row" (last dim) or "group" (along the last dim).
-    ``amax`` (per tensor only): x's finite absmax when already known (not taken again)."""
+             noise: torch.Tensor | None = None, to_dtype: bool = False) -> Quantized:
+    """Absmax-scaled quantization. ``granularity``: "tensor", "row" (last dim) or "group" (along the last dim)."""
     fmt = get_format(fmt)
     x32 = x.float()
-    if amax is not None and granularity != "tensor":
-        raise ValueError("amax: per-tensor quantization only")
     if granularity in ("tensor", "row"):
-        scale = tensor_or_row_scale(x32, fmt, granularity, amax)
+        scale = tensor_or_row_scale(x32, fmt, granularity)
         values = round_to_grid(x32 / scale, fmt, noise)
     elif granularity == "group":
         g = to_groups(x32, group_size)

@@ -147,7 +147,7 @@ if HAVE_TRITON:
         V_E4M3: tl.constexpr, V_MAN: tl.constexpr, V_MINEXP: tl.constexpr, V_MAX: tl.constexpr, V_SPAN: tl.constexpr,
         V_INV: tl.constexpr, V_LOG2: tl.constexpr,
         QUANT: tl.constexpr, EXPANSION: tl.constexpr, SQRT_V: tl.constexpr, AMSGRAD: tl.constexpr,
-        MAXIMIZE: tl.constexpr, DECAY_IS_PTR: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
+        MAXIMIZE: tl.constexpr, LR_IS_TENSOR: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
         HAS_FOUND_INF: tl.constexpr, EVEN_ROWS: tl.constexpr, ON_GPU: tl.constexpr, LOOP: tl.constexpr,
         STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr,
     ):
@@ -174,7 +174,7 @@ if HAVE_TRITON:
         step = tl.load(_address(row_ptrs, STEP_COLUMN_C, tl.float32, False))
         bias_correction1 = 1.0 - _pow(beta1, step, ON_GPU)
         inv_bc2_sqrt = tl.rsqrt(1.0 - _pow(beta2, step, ON_GPU))  # 1 / sqrt(1 - beta2^t)
-        if DECAY_IS_PTR:  # a Tensor lr: lr / bc1, and 1 - lr * weight_decay computed on the device
+        if LR_IS_TENSOR:  # lr and 1 - lr * weight_decay on the device: lr / bc1
             step_size = tl.math.div_rn(tl.load(lr_ptr), bias_correction1)
             decay = tl.load(decay_ptr)
         else:  # a float lr: torch's float / tensor is reciprocal() * lr
@@ -300,19 +300,20 @@ def _tables(batch, layout, block_g: int) -> _Plan:
                   for p, g, s, _l in batch)
     if addrs == plan.addr_key:
         return plan
-    _check_steps(batch)  # the kernel reads each step count through its address: it must be what it expects
-    table = plan.tables.pop(addrs, None)  # gradients often come back to addresses seen a step or two ago
+    table = plan.tables.pop(addrs, None)  # its step counts were checked when it was built  # gradients often come back to addresses seen a step or two ago
     if table is None and plan.addr_key is not None:
         # usually only gradients moved (set_to_none, or a step per parameter in backward)
         changed = [(t, c, v) for t, (new, old) in enumerate(zip(addrs, plan.addr_key)) for c, (v, o) in
                    enumerate(zip(new, old)) if v != o]
         if len(changed) <= 8:  # the current table written in place by the device, in stream order: no host memory
+            _check_steps([batch[t] for t, c, _v in changed if c == STEP_COLUMN])  # usually none: gradients moved
             table = plan.tables.pop(plan.addr_key)
             for t, c, v in changed:
                 table[0][t, c].fill_(v)
             # aligned only if it was and the new addresses are (conservative: an old unaligned one may have gone)
             table = (table[0], table[1] and all(v % 16 == 0 for _, c, v in changed if c != STEP_COLUMN))
     if table is None:  # a new table through pinned memory, copied asynchronously
+        _check_steps(batch)
         # the step count (4-byte scalar) is not loaded as a vector: its alignment does not matter
         table = (_to_device(torch.tensor(addrs, dtype=torch.int64), dev),
                  all(a % 16 == 0 for row in addrs for a in row[:STEP_COLUMN]))
@@ -327,7 +328,8 @@ def _tables(batch, layout, block_g: int) -> _Plan:
 def _check_steps(batch) -> None:
     """Each state's "step" is one fp32 value on its parameter's device (as lpoptim makes it, and load_state_dict
     converts it): a step put there by hand as fp64, an integer or on the CPU would be read as garbage or from an
-    address the GPU cannot reach, so it is refused here, where a table is built or patched."""
+    address the GPU cannot reach, so it is refused where a table is built, or patched with a new step address
+    (not on the usual path, where only gradients moved: no loop over the parameters there)."""
     for p, _g, s, _l in batch:
         step = s["step"]
         if step.dtype != torch.float32 or step.device != p.device or step.numel() != 1:
@@ -389,11 +391,11 @@ def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_de
         plan.ptrs, plan.dims, plan.blocks, lr_t if lr_is_tensor else dummy, decay if lr_is_tensor else dummy,
         grad_scale.to(dev, torch.float32) if grad_scale is not None else dummy,
         found_inf if found_inf is not None else dummy, plan.salts if salts is not None else dummy,
-        0.0 if lr_is_tensor else lr, 0.0 if lr_is_tensor else decay, beta1, 1 - beta1, beta2, 1 - beta2, eps,
+        0.0 if lr_is_tensor else float(lr), 0.0 if lr_is_tensor else float(decay), beta1, 1 - beta1, beta2, 1 - beta2, eps,
         PARAM_DTYPE=_TL_DTYPES[dtype], G=layout.group_size, BLOCK_G=block_g,
         **_format_args(layout.exp_avg_format, "M"), **_format_args(layout.exp_avg_sq_format, "V"),
         QUANT=layout.quantized, EXPANSION=layout.expansion, SQRT_V=layout.sqrt_v, AMSGRAD=amsgrad, MAXIMIZE=maximize,
-        DECAY_IS_PTR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
+        LR_IS_TENSOR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
         LOOP=loop, EVEN_ROWS=even, ON_GPU=not interpreted(), STOCHASTIC=salts is not None, ALIGNED=plan.aligned,
         # fused multiply-adds on (Triton 3.9 warns that its default will change): ~4% fewer instructions, within
         # the ulp-level bound the GPU tests allow

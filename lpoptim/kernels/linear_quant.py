@@ -145,12 +145,9 @@ TUNING = {"rows": dict(block_r=16, block_c=256, num_warps=4), "from_max": dict(b
           # per tensor, swept again on the final kernel (quant_tune --modes tensor, docs/results/
           # quant_tune_tensor_h100.txt): 32 x 256 with 8 warps 1.22 / 1.55 TB/s on 16384 x 4096 / x 11008, the best
           # on both (32 x 128: 0.88 / 1.50)
+          # (also for the transposed copy alone, xᵀ / Wᵀ: a tile of its own won alone but not in the layers,
+          # docs/results/quant_tune_tensor_cols_h100.txt)
           "tensor": dict(block_r=32, block_c=256, num_warps=8),
-          # per tensor, the transposed copy alone (xᵀ for dW, Wᵀ for dx). Swept alone (quant_tune --modes
-          # tensor_cols, docs/results/quant_tune_tensor_cols_h100.txt) 128 x 64 with 8 warps took 0.126 ms on
-          # 16384 x 4096 against this tile's 0.151, but in the layers (fp8_tensor, int4, fp4_fast, 4096 x 4096,
-          # same H100, two A/B rounds) it did not show, and int4's synchronized step was slower in both: kept as is
-          "tensor_cols": dict(block_r=32, block_c=256, num_warps=8),
           # with a block Hadamard (the tile's columns are one Hadamard block): rows per program for its tl.dot
           "hadamard": dict(block_r=64, num_warps=8)}
 
@@ -298,7 +295,7 @@ def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int |
                 torch.empty((), device=x.device, dtype=torch.float32))
     rp = col_cols if cols else R
     cp = row_cols if rows else C
-    tune = TUNING["tensor_cols" if rows is None else "tensor"]
+    tune = TUNING["tensor"]
     block_r, block_c = tune["block_r"], tune["block_c"]
     if max(R, rp) and max(C, cp):
         grid = (triton.cdiv(max(R, rp), block_r), triton.cdiv(max(C, cp), block_c))

@@ -9,7 +9,8 @@ Parameters are stepped in buckets: as gradients arrive they are queued, and once
 (or backward ends) the queue is stepped in one kernel launch per group and its gradients freed. One parameter at
 a time (``bucket_mb=0``) spends more host time than the GPU spends on a 7B model's backward (about 10 small
 launches each); a bucket holds at most that many MiB of gradients beyond the usual in-backward peak. The default,
-256, measured on Llama-2-7B at 1 x 2048 on an H100 with a slow host (docs/results/bench_llama2_7b_buckets_h100.txt):
+256, measured on Llama-2-7B at 1 x 2048 on an H100 with a slow host, torch 2.11, triton 3.6
+(`benchmarks/bench_buckets.py`, docs/results/bench_llama2_7b_buckets_h100.txt):
 128 MiB 10.97 k tokens/s, 256 MiB 11.23 k, 512 MiB 11.22 k, peak 29.83 / 29.84 / 29.85 GiB (the peak of that
 training step is not in backward, so the bucket hardly shows).
 
