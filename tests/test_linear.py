@@ -285,10 +285,10 @@ def test_no_grad_forward_saves_no_transposed_copy(monkeypatch):
 
     calls = []
     real, real_both = functional._save_x_for_dw, functional.quantize_operand_and_transpose
-    real_4bit = functional._4bit_forward_and_xt
+    real_4bit = functional._fp4_forward_and_xt
     monkeypatch.setattr(functional, "_save_x_for_dw", lambda *a: calls.append("xt") or real(*a))
     monkeypatch.setattr(functional, "quantize_operand_and_transpose", lambda *a, **k: calls.append("x+xt") or real_both(*a, **k))
-    monkeypatch.setattr(functional, "_4bit_forward_and_xt", lambda *a: calls.append("4bit+xt") or real_4bit(*a))
+    monkeypatch.setattr(functional, "_fp4_forward_and_xt", lambda *a: calls.append("4bit+xt") or real_4bit(*a))
     # fp8: x and xᵀ together; fp4_fast (fp8 backward per tensor): xᵀ's absmax from x's row pass; int4 (Hadamard):
     # xᵀ on its own
     for recipe, made in (("fp8", ["x+xt"]), ("fp8_tensor", ["x+xt"]), ("int4", ["xt"]), ("fp4_fast", ["4bit+xt"])):

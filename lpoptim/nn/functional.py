@@ -49,8 +49,8 @@ def _quantize_wt(w, r: Recipe, w_stat) -> Operand:
     return quantize_transpose_from_max(w, r.bwd_fmt, w_stat)
 
 
-def _4bit_forward_and_xt(x2, w, r: Recipe, out_dtype):
-    """The 4-bit forward GEMM (x and W per row, no Hadamard) and, for an fp8 backward per tensor, the saved xᵀ and
+def _fp4_forward_and_xt(x2, w, r: Recipe, out_dtype):
+    """The E2M1 forward GEMM (x and W per row; fp4_fast) and, for an fp8 backward per tensor, the saved xᵀ and
     W's absmax (the backward's Wᵀ scale): both maxima taken by the row quantizers' first passes, so neither xᵀ nor
     Wᵀ needs an absmax pass of its own. (None, None, None) for other backwards."""
     if r.backward != "fp8" or r.backward_granularity != "tensor":
@@ -226,7 +226,7 @@ class Fp4LinearFunction(_LowBitLinearFunction):
         # per-row E2M1 without outlier clamping or power-of-two blocks (fp4_fast): the fused 4-bit path
         if r.occ_alpha is not None or r.fp4_block or r.granularity != "row":
             return None, None, None
-        return _4bit_forward_and_xt(x2, w, r, out_dtype)
+        return _fp4_forward_and_xt(x2, w, r, out_dtype)
 
     @staticmethod
     def has_weight_grad_factor(r):
