@@ -163,10 +163,12 @@ def measure(run, params, xs, dy, extra, device, warmup, iters):
 
 
 def hooks_mib(run, block, x, extra, handle=None):
-    """MiB the saved-tensor hooks saw in one forward (and kinds, for wrapped variants)."""
+    """MiB the saved-tensor hooks saw in one forward (and kinds, for wrapped variants). A wrapped compiled block
+    packs inside its graphs: what they save is the handle's graph plan (one forward's worth, one graph here)."""
     if handle is not None:
         with handle.record() as stats:
             y = run(x, **extra)
+        stats.records += handle.graph_stats().records
     else:
         with record_saved(block) as stats:
             y = run(x, **extra)
@@ -237,10 +239,13 @@ def main(argv=None):
         convert_linears = None
         print(f"lpoptim.nn.convert_linears not importable ({e}); FP8-linear variants skipped")
 
-    def fp8_block():
+    def fp8_block(recipe=None):
         blk = copy.deepcopy(block)
-        convert_linears(blk, recipe=args.linear_recipe)
+        convert_linears(blk, recipe=recipe or args.linear_recipe)
         return blk
+
+    def fast_block():  # the forward GEMM with Hopper's fast FP8 accumulation, as torchao's default
+        return fp8_block("fp8_tensor_fast")
 
     # name: (build -> (callable, module holding the parameters, handle or None), FP8 GEMMs?)
     def v_eager():
@@ -269,6 +274,7 @@ def main(argv=None):
         "lpoptim no derive": (v_lp(derive=False), False),
         "lpoptim recompute": (v_lp(recompute=True), False),
         "lpoptim compiled": (v_lp(compile_=True), False),
+        "lpoptim compiled attn fp8": (v_lp(compile_=True, attention="fp8"), False),
     }
     if convert_linears is not None:
         variants |= {
@@ -276,6 +282,9 @@ def main(argv=None):
             "fp8 linears compiled": ((lambda: (lambda m: (torch.compile(m), m, None))(fp8_block())), True),
             "fp8 linears + lpoptim": (v_lp(fp8_block), True),
             "fp8 linears + lpoptim compiled": (v_lp(fp8_block, compile_=True), True),
+            "fp8 linears + lpoptim compiled attn fp8": (v_lp(fp8_block, compile_=True, attention="fp8"), True),
+            "fp8 fast linears compiled": ((lambda: (lambda m: (torch.compile(m), m, None))(fast_block())), True),
+            "fp8 fast linears + lpoptim compiled": (v_lp(fast_block, compile_=True), True),
             "fp8 linears + lpoptim recompute": (v_lp(fp8_block, recompute=True), True),
         }
         # Inductor's partitioner told to keep NN% of what the compiled block would save and recompute the cheapest

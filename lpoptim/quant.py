@@ -96,6 +96,22 @@ def pow2_block_exponent(amax: torch.Tensor, fmax: float, emin: int, emax: int = 
     return torch.where(amax > 0, e, torch.full_like(e, emin))
 
 
+def max_bits(fmax: float) -> tuple[int, int]:
+    """fmax = 1.m·2^F as (F, m's 23 mantissa bits): what pow2_scale_exponent compares amax's bits with."""
+    mant, exp = math.frexp(fmax)  # fmax = mant·2^exp, mant in [0.5, 1)
+    return exp - 1, int((mant * 2 - 1) * 2**23)
+
+
+def pow2_scale_exponent(amax: torch.Tensor, fmax: float, emin: int = -126, emax: int = 126) -> torch.Tensor:
+    """pow2_block_exponent's e (the smallest with amax / 2^e <= fmax), clamped to [emin, emax], from amax's fp32
+    bits alone: amax = 1.a·2^E needs e = E - F, plus one where a > m (fmax = 1.m·2^F). Integer ops only, exact
+    (no division to round), the same in Triton (kernels/act_quant.py) and in what Inductor compiles; int32."""
+    f_exp, f_mant = max_bits(fmax)
+    bits = amax.float().contiguous().view(torch.int32)  # amax >= 0: no sign bit
+    e = ((bits >> 23) & 0xFF) - 127 - f_exp + ((bits & 0x7FFFFF) > f_mant).int()
+    return e.clamp(emin, emax)
+
+
 def absmax_scale(amax: torch.Tensor, fmt: FloatFormat | IntFormat) -> torch.Tensor:
     """Scale that maps ``amax`` to the format's largest value; 1 where amax is 0 (nothing to scale), and also
     where amax / fmt.max underflows fp32 to 0 (amax below fmt.max * 2^-149): a zero scale would turn the

@@ -33,6 +33,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from . import graph_hooks
 from .codec import COMPRESSIBLE_DTYPES, PackedActivation, pack, packed_nbytes
 from .derive import _HELD, DERIVABLE_OPS, count_use, derive, record, remember
 from .policy import ActivationPolicy
@@ -161,8 +162,9 @@ class PackContext:
     """One forward of one wrapped block: hooks in, a dedupe table, records into ``stats`` when given."""
 
     def __init__(self, module: torch.nn.Module, policy: ActivationPolicy, stats: SavedStats | None = None,
-                 inputs=()):
+                 inputs=(), graph_records: dict | None = None, track_ops: bool = True):
         self.policy = policy
+        self.graph_records = graph_records  # what compiled graphs traced under this context pack (graph_hooks.py)
         # Tensors handed to the block that need no grad (rotary tables, masks): the caller holds them, so they
         # are kept by reference, and views of them too. Anything else without grad was made inside the block
         # (e.g. by a custom autograd Function or a compiled graph) and is packed like any activation.
@@ -171,19 +173,30 @@ class PackContext:
         self.param_ptrs = module_storage_ptrs(module)
         self.token = object()  # identifies this forward: Sources and notes from other forwards are ignored
         self.tracker = OpTracker(self if policy.derive else None)
+        # The tracker names the op saving each tensor in eager mode. Around a compiled forward it would only slow
+        # the host (every torch call of the compiled code's wrappers goes through its Python), and the graphs
+        # name their ops themselves (graph_hooks.py); eager code between graph breaks then gets the policy's
+        # ``unknown`` granularity and no replays.
+        self.track_ops = track_ops
         self.seen: dict[tuple, tuple[weakref.ref, PackedActivation]] = {}
         self.kept_storages: dict[int, torch.Tensor] = {}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
+        # GraphModule hooks: in eager mode they call self.pack (and Kept / PackedActivation's unpack); a compiled graph traced under them
+        # packs inside the graph itself (graph_hooks.py)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(graph_hooks.PACK_HOOK, graph_hooks.UNPACK_HOOK)
 
     def __enter__(self):
+        graph_hooks.push(self)
         self._hooks.__enter__()
-        self.tracker.__enter__()
+        if self.track_ops:
+            self.tracker.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self.tracker.__exit__(*exc)
+        if self.track_ops:
+            self.tracker.__exit__(*exc)
         self.tracker.ctx = None
         self._hooks.__exit__(*exc)
+        graph_hooks.pop(self)
         self.seen.clear()  # the packed copies live on in the graph; the table only served this forward
         self.constant_ids.clear()
         self.kept_storages.clear()
@@ -215,9 +228,7 @@ class PackContext:
         return _is_parameter(t) or _storage_ptr(t) in self.param_ptrs
 
     def pack(self, t: torch.Tensor):
-        if _is_compiling():
-            # Dynamo traced a compiled block's forward with our hooks active; what its graph saves reaches this
-            # hook again at run time, outside the graph, and is packed then.
+        if _is_compiling():  # Dynamo tracing: what its graph saves is packed inside the graph (graph_hooks.py)
             return t
         dtype = t.dtype
         if dtype not in _COMPRESSIBLE:
@@ -317,8 +328,3 @@ class Kept:
                 f"is at version {self.tensor._version}, saved at version {self.version}")
         return self.tensor
 
-
-def unpack(x):
-    # Kept tensors come back detached (returning a saved output itself from pack would make a reference cycle
-    # through its grad_fn); autograd only needs their values. Packed and derived ones are rebuilt.
-    return x if isinstance(x, _Tensor) else x.unpack()

@@ -7,9 +7,10 @@ the module's class, parameters, state_dict or hooks changes; ``remove()`` delete
 torch.compile: the wrapper itself is never traced (``torch.compiler.disable(recursive=False)``): Dynamo runs it
 eagerly and compiles the block's original forward as a frame of its own, so both orders work:
 ``torch.compile(wrapped_block)`` (or a compiled model containing wrapped blocks) and
-``compress_activations(torch.compile(block))``. Inside a compiled graph the tracker cannot see which op saves a
-tensor (the graph's saved tensors are saved together at its end), so those all get ``policy.unknown``
-granularity (groups of 16) and attention's are not told apart.
+``compress_activations(torch.compile(block))``. That frame is compiled under the wrapper's hooks, which
+AOTAutograd inlines into its forward and backward graphs (graph_hooks.py): the packing runs inside the compiled
+kernels. A block compiled *before* it was wrapped and already run keeps the graphs it has (Dynamo does not
+recompile for hooks): wrap before the first compiled call, or ``torch._dynamo.reset()``.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import contextlib
 import copy
 import functools
 import types
+import warnings
 from typing import Iterable
 
 import torch
@@ -48,6 +50,14 @@ class ActivationHandle:
         self.blocks = blocks
         self.policy = policy
         self.stats: SavedStats | None = None  # set while ``record()`` is active
+        # what compiled graphs of these blocks pack, one record per saved tensor, written when each graph is
+        # compiled (their runs call no Python per tensor, so ``record()`` does not see them)
+        self.graph_records: dict = {}  # (graph, saved node) -> SavedRecord
+
+    def graph_stats(self) -> SavedStats:
+        """What the compiled graphs of the wrapped blocks save, by kind, as decided when each was compiled (one
+        record per tensor and graph; ``record()`` covers what runs eagerly)."""
+        return SavedStats(list(self.graph_records.values()))
 
     @contextlib.contextmanager
     def record(self):
@@ -67,6 +77,10 @@ class ActivationHandle:
         for b in self.blocks:
             _unwrap(b)
         self.blocks = []
+        if self.graph_records:
+            warnings.warn("compress_activations: graphs compiled while the blocks were wrapped keep packing their "
+                          "saved tensors in FP8 (Dynamo does not recompile for saved-tensor hooks); call "
+                          "torch._dynamo.reset() to compile them again unwrapped", stacklevel=2)
 
     def __enter__(self):
         return self
@@ -125,7 +139,8 @@ class _WrappedForward:
             return self.original(*args, **kwargs)  # nothing is saved: nothing to do
         if policy.recompute:
             return fp8_checkpoint(self.original, self.module, args, kwargs, policy, stats)
-        with PackContext(self.module, policy, stats, inputs=(args, kwargs)):
+        with PackContext(self.module, policy, stats, inputs=(args, kwargs), graph_records=self.handle.graph_records,
+                         track_ops=not _compiled_call(self.module)):
             return self.original(*args, **kwargs)
 
     def __deepcopy__(self, memo):
@@ -136,6 +151,27 @@ class _WrappedForward:
         else:
             original = copy.deepcopy(original, memo)
         return _WrappedForward(module, original, self.had_forward, self.handle)
+
+
+@torch.compiler.disable  # called from the wrapper's disabled frame: Dynamo would try to compile it as a frame of its own
+def _compiled_call(module: nn.Module) -> bool:
+    """Whether the block's forward is about to run compiled: a compiled module (``compress_activations(
+    torch.compile(block))``), or Dynamo's frame callback set around this (disabled) frame, so the frames it calls
+    are compiled (``torch.compile(wrapped_block)``, or a compiled model around it)."""
+    if isinstance(module, _OptimizedModule):
+        return True
+    return _eval_frame_callback() is not None
+
+
+def _no_callback():
+    return None
+
+
+try:  # private torch API (torch 2.x); without it every call counts as eager, which only costs host time
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
+    from torch._dynamo.eval_frame import OptimizedModule as _OptimizedModule
+except ImportError:  # pragma: no cover
+    _eval_frame_callback, _OptimizedModule = _no_callback, ()
 
 
 def _wrap(module: nn.Module, handle: ActivationHandle):

@@ -1,0 +1,258 @@
+"""Saved-tensor hooks that torch.compile inlines: FP8 packing inside a compiled block's own graphs.
+
+Plain Python hooks (``saved_tensors_hooks(pack, unpack)``) see a compiled block only from outside: its graph
+returns every tensor it saves at the end of the forward, the hooks pack them then (one more read and write of
+each, after the fact), and backward unpacks them all before the backward graph starts. AOTAutograd inlines hooks
+that are ``torch.fx.GraphModule``s instead (torch >= 2.8): it traces the pack hook once per saved tensor into the
+forward graph's epilogue and the unpack hook into the backward graph's prologue, so Inductor fuses the
+quantization with the kernels that produce the tensor and the decoding with the kernels that read it, and the
+original is freed inside the forward like any intermediate.
+
+``PACK_HOOK`` / ``UNPACK_HOOK`` are such GraphModules. ``PackContext`` installs them around every forward of a
+wrapped block. Each dispatches on where it is called from:
+
+- by AOTAutograd while it compiles (``graph_compile._get_saved_tensor_hook_context()`` names the saved node in
+  the forward graph and the backward graph that reads it): ``pack_in_graph`` decides from the graphs and emits
+  torch ops (quantize.py's reference arithmetic, which Inductor compiles);
+- by autograd in eager mode (no such context): the innermost active ``PackContext``'s ``pack`` (hooks.py), and
+  its ``unpack``, exactly as before.
+
+The graph rules follow hooks.py's, read off the graphs instead of a TorchFunctionMode:
+- only the graph's intermediates are offered (torch's ``saved_tensors_hooks_filtering_mode="donated"``): never
+  parameters or inputs; a tensor the graph saves once is packed once;
+- non-float or fp8 tensors, and tensors below ``policy.min_numel`` elements, are kept;
+- a tensor read in backward by an attention kernel follows ``policy.attention``;
+- a tensor read in backward only by GEMMs (through views) gets ``policy.gemm_granularity``; everything else
+  groups of ``policy.group_size`` along the last dimension (rows where the last dim is not a multiple of it).
+Replays (hooks.py rule 6) are Inductor's own business here: its partitioner recomputes cheap element-wise ops
+instead of saving them.
+
+Each decision is recorded once, when the graph is compiled, into the handle's ``graph_records``
+(``ActivationHandle.graph_stats()``); the compiled graphs then run without calling Python per tensor.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..nn.operands import round_for_cast
+from ..quant import absmax_scale, finite_absmax, pow2_scale_exponent, to_groups
+from .stats import SavedRecord
+
+_LOCAL = threading.local()  # the PackContexts entered on this thread, innermost last
+
+
+def push(ctx) -> None:
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    stack.append(ctx)
+
+
+def pop(ctx) -> None:
+    stack = _LOCAL.stack
+    if stack and stack[-1] is ctx:
+        stack.pop()
+    else:  # exited out of order (an exception unwinding several): drop it wherever it is
+        stack.remove(ctx)
+
+
+def current():
+    stack = getattr(_LOCAL, "stack", None)
+    return stack[-1] if stack else None  # (no stack yet on this thread: never entered here)
+
+
+def _no_context():
+    return None
+
+
+def _context_getter():
+    """AOTAutograd's ``_get_saved_tensor_hook_context``: what it tells a hook it is tracing (the saved node, both
+    graphs), None when autograd calls the hook in eager mode. torch's private API: a torch without it never
+    inlines hooks, so every call is eager there."""
+    try:
+        from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
+    except ImportError:
+        return _no_context
+    return _get_saved_tensor_hook_context
+
+
+_hook_context = _context_getter()  # looked up once: the eager hooks run for every saved tensor
+
+
+# ---- what a saved node is, from the graphs ----------------------------------------------------------------------
+
+_VIEW_OPS = frozenset({"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "squeeze",
+                       "unsqueeze", "alias", "slice", "select", "as_strided", "clone", "contiguous"})
+_GEMM_OPS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "_scaled_mm", "matmul", "linear"})
+_ATTENTION_WORDS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention", "flex_attention")
+
+
+def _op_name(target) -> str:
+    """aten.mm.default -> "mm"; a Python callable -> its __name__."""
+    name = getattr(target, "__name__", str(target))
+    overload = getattr(target, "_overloadpacket", None)
+    return getattr(overload, "__name__", name.split(".")[0])
+
+
+def _readers(node: torch.fx.Node, depth: int = 0) -> list[str]:
+    """The ops that read ``node``'s value in its graph, looking through views and copies."""
+    names = []
+    for user in node.users:
+        name = _op_name(user.target) if user.op == "call_function" else user.op
+        if name in _VIEW_OPS and depth < 8:
+            names.extend(_readers(user, depth + 1))
+        else:
+            names.append(name)
+    return names
+
+
+def classify(info: dict) -> tuple[str, str]:
+    """("attention" | "gemm" | "nonlinear", the producing op's name) for the saved node ``info`` describes."""
+    node = info["_node"]
+    producer = _op_name(node.target) if node.op == "call_function" else node.op
+    if producer == "getitem" and node.args:  # an output of a multi-output op (attention's out and logsumexp)
+        parent = node.args[0]
+        producer = _op_name(parent.target) if getattr(parent, "op", None) == "call_function" else producer
+    readers = []
+    bw = info.get("_bw_graph")
+    if bw is not None:
+        for ph in bw.find_nodes(op="placeholder"):
+            if ph.name == node.name:
+                readers = _readers(ph)
+                break
+    if any(w in r for r in (*readers, producer) for w in _ATTENTION_WORDS):
+        return "attention", producer
+    if readers and all(r in _GEMM_OPS for r in readers):
+        return "gemm", producer
+    return "nonlinear", producer
+
+
+def _hint(v) -> int | None:
+    """A concrete value for a size (its hint when symbolic), or None."""
+    if isinstance(v, int):
+        return v
+    try:
+        return int(v.node.hint)
+    except (AttributeError, TypeError):
+        return None
+
+
+# ---- the traced pack and unpack ---------------------------------------------------------------------------------
+
+def pack_in_graph(t: torch.Tensor, info: dict, policy, records: list | None):
+    """What the compiled forward saves instead of ``t``: ``t`` itself (kept), or a tuple (codes, scales,
+    granularity, dtype) that unpack_in_graph decodes."""
+    dtype = t.dtype
+    if info["_node"].op == "placeholder":  # a graph input (parameter, block input): held by its owner anyway
+        return _kept(t, info, "parameter", "input", records)  # (torch offers none by default: "donated" only)
+    if not dtype.is_floating_point or dtype.itemsize < 2 or dtype == torch.float64:
+        kind = "lowbit" if dtype.itemsize < 2 or not dtype.is_floating_point else "other"
+        return _kept(t, info, kind, _op_name(info["_node"].target), records)
+    kind, producer = classify(info)
+    numel, n = _hint(t.numel()), _hint(t.shape[-1]) if t.dim() else 1
+    if numel is None or n is None or numel < policy.min_numel:
+        return _kept(t, info, "small", producer, records)
+    gran = policy.granularity_of(kind, producer)
+    if gran is None:
+        return _kept(t, info, "attention", producer, records)
+    if gran == "group" and (n % policy.group_size or isinstance(t.shape[-1], torch.SymInt)):
+        gran = "row"  # groups must tile the last dim exactly here (no padding inside a graph)
+    fmt = policy.fmt
+    x = t.detach().float().reshape(-1, t.shape[-1]) if t.dim() else t.detach().float().reshape(1, 1)
+    if gran == "group":
+        g = to_groups(x, policy.group_size)
+        # one power-of-two scale per group, held as a byte (its biased exponent, as E8M0): groups are small, so
+        # fp32 scales would cost a quarter of the codes' bytes, a byte costs a sixteenth; a power of two leaves
+        # E4M3's relative precision as it is (only where its subnormals begin moves, by less than a binade)
+        if t.is_cuda and fmt.dtype == torch.float8_e4m3fn and not policy.group_size & (policy.group_size - 1):
+            # one kernel of ours (kernels/act_quant.py), the same bits: Inductor fused these torch ops into the
+            # producer's reductions and ran them at ~1 TB/s
+            from ..kernels.act_quant import quantize_groups_pow2
+            codes, scale = quantize_groups_pow2(t.detach().contiguous(), policy.group_size)
+        else:
+            e = pow2_scale_exponent(finite_absmax(g, dim=-1), fmt.max)  # (R, N / G)
+            codes = round_for_cast(g * _pow2(127 - e).unsqueeze(-1), fmt).to(fmt.dtype).reshape(t.shape)
+            scale = (e + 127).to(torch.uint8)
+    else:
+        scale = absmax_scale(finite_absmax(x, dim=-1, keepdim=True) if gran == "row" else finite_absmax(x), fmt)
+        codes = round_for_cast(x / scale, fmt).to(fmt.dtype).reshape(t.shape)
+    _record(records, info, f"fp8_{gran}", producer, t, numel * dtype.itemsize,
+            numel + _hint(scale.numel()) * scale.element_size())
+    return codes, scale, gran, dtype
+
+
+def _kept(t, info, kind, producer, records):
+    size = (_hint(t.numel()) or 0) * t.dtype.itemsize
+    _record(records, info, kind, producer, t, size, size)
+    return t
+
+
+def _record(records: dict | None, info, kind, producer, t, original, stored):
+    """One record per saved node of a graph (AOTAutograd calls the hook twice per node: once to run it, once
+    to trace it)."""
+    if records is not None:
+        records[(id(info["_fw_graph"]), info["_node"].name)] = SavedRecord(
+            kind, producer, tuple(_hint(s) for s in t.shape), str(t.dtype).replace("torch.", ""), original, stored)
+
+
+def _pow2(biased: torch.Tensor) -> torch.Tensor:
+    """2^(biased - 127) in fp32 for int32 ``biased`` in 1..254: the value with that exponent field."""
+    return (biased << 23).view(torch.float32)
+
+
+def unpack_in_graph(packed) -> torch.Tensor:
+    codes, scale, gran, dtype = packed
+    shape = codes.shape
+    v = codes.float().reshape(-1, shape[-1]) if codes.dim() else codes.float().reshape(1, 1)
+    if gran == "group":
+        v = (to_groups(v, v.shape[-1] // scale.shape[-1]) * _pow2(scale.int()).unsqueeze(-1)).reshape(shape)
+    else:
+        v = (v * scale).reshape(shape)
+    return v.to(dtype)
+
+
+# ---- the hooks ---------------------------------------------------------------------------------------------------
+
+@torch.fx.wrap
+def _pack(t):
+    ctx = current()
+    info = _hook_context()
+    if info is None:  # eager: autograd saving a tensor inside a wrapped block's forward
+        return ctx.pack(t)
+    if ctx is None:  # compiled with these hooks outside any wrapped forward: nothing asked for
+        return t
+    return pack_in_graph(t, info, ctx.policy, ctx.graph_records)
+
+
+@torch.fx.wrap
+def _unpack(packed):
+    if isinstance(packed, torch.Tensor):  # kept (PackContext.pack returns parameters as they are)
+        return packed
+    if isinstance(packed, tuple):  # pack_in_graph's, being traced into a backward graph
+        return unpack_in_graph(packed)
+    # Kept, packed or derived (hooks.py): kept tensors come back detached (returning a saved output itself from
+    # pack would make a reference cycle through its grad_fn); autograd only needs their values
+    return packed.unpack()
+
+
+def _pack_hook(t):
+    return _pack(t)
+
+
+def _unpack_hook(packed):
+    return _unpack(packed)
+
+
+def _hook_module(fn, dispatch):
+    """A GraphModule calling ``dispatch`` (AOTAutograd inlines only GraphModule hooks). Its ``__call__`` goes to
+    ``dispatch`` directly: autograd calls a hook once per saved tensor in eager mode, where nn.Module's call path
+    would add a few microseconds each; AOTAutograd traces through the call either way."""
+    gm = torch.fx.symbolic_trace(fn)
+    type(gm).__call__ = lambda self, x: dispatch(x)  # GraphModule gives every instance a class of its own
+    return gm
+
+
+PACK_HOOK = _hook_module(_pack_hook, _pack)
+UNPACK_HOOK = _hook_module(_unpack_hook, _unpack)

@@ -1,0 +1,159 @@
+"""Packing inside compiled graphs (lpoptim/activations/graph_hooks.py): the rules read off the graphs, the
+power-of-two group scales against their reference, the Triton kernel against the torch ops (interpreter on the
+CPU, compiled on a GPU), and gradients of compiled wrapped blocks against the unwrapped block."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from benchmarks.activations import make_block
+from lpoptim.activations import compress_activations
+from lpoptim.activations.graph_hooks import pack_in_graph, unpack_in_graph
+from lpoptim.activations.policy import ActivationPolicy
+from lpoptim.formats import E4M3, round_to_grid
+from lpoptim.quant import finite_absmax, pow2_block_exponent, pow2_scale_exponent, to_groups
+
+
+def _min_cos(a, b):
+    return min(F.cosine_similarity(x.flatten().float(), y.flatten().float(), dim=0).item() for x, y in zip(a, b))
+
+
+def _pow2(e):
+    return torch.ldexp(torch.ones(e.shape), e.float())
+
+
+def _grads(run, block, x, extra, dy):
+    for p in block.parameters():
+        p.grad = None
+    x = x.detach().requires_grad_(True)
+    run(x, **extra).backward(dy)
+    return [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
+
+
+def test_pow2_exponent_matches_frexp_reference():
+    g = torch.Generator().manual_seed(0)
+    a = torch.rand(100_000, generator=g) * 10.0 ** torch.randint(-40, 38, (100_000,), generator=g).float()
+    a = torch.cat([a, torch.tensor([0.0, 448.0, 448.00003, 224.0, 1e-45, 3e38, 448 * 2.0**-126])])
+    for fmax in (448.0, 57344.0, 6.0):
+        normal = a / fmax >= 2.0**-126  # (below, frexp's reference sees amax / fmax underflow: a scale of 2^-1)
+        assert torch.equal(pow2_scale_exponent(a, fmax)[normal],
+                           pow2_block_exponent(a, fmax, emin=-126, emax=126)[normal])
+    assert (pow2_scale_exponent(a, 448.0)[a / 448.0 < 2.0**-126] == -126).all()
+    e = pow2_scale_exponent(a, 448.0)
+    assert (a / _pow2(e) <= 448.0).all()  # the scale never overflows the format
+
+
+def _hard(shape, dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=g) * 10.0 ** torch.randint(-5, 5, (shape[0], 1), generator=g).float()
+    x[0, :16] = 0.0
+    x[1, 3], x[2, 5], x[2, 6] = float("nan"), float("inf"), -float("inf")
+    x[3, :16] = 1e-42  # an fp32 subnormal group
+    x[4, :4] = torch.tensor([447.9, 448.0, -0.0, 127.9])
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_kernel_matches_reference(dtype):
+    """kernels/act_quant.quantize_groups_pow2 (interpreter here, compiled on a GPU) gives the torch ops' bits."""
+    pytest.importorskip("triton")
+    from lpoptim.kernels.act_quant import quantize_groups_pow2
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = _hard((40, 64), dtype).to(dev)
+    codes, exps = quantize_groups_pow2(x, 16)
+    g = to_groups(x.float().cpu(), 16)
+    e = pow2_scale_exponent(finite_absmax(g, dim=-1), 448.0)
+    ref = round_to_grid(g * _pow2(-e).unsqueeze(-1), E4M3).to(torch.float8_e4m3fn)
+    assert torch.equal(exps.cpu().int() - 127, e)
+    got, want = codes.cpu().view(torch.uint8), ref.reshape(x.shape).view(torch.uint8)
+    nan = (want & 0x7F) == 0x7F  # E4M3's NaN is 0x7F or 0xFF: its sign is not a value (bf16's NaN sign differs)
+    assert torch.equal((got & 0x7F) == 0x7F, nan) and torch.equal(got[~nan], want[~nan])
+    with pytest.raises(ValueError, match="group"):
+        quantize_groups_pow2(x[:, :40], 16)  # not a multiple of the group
+
+
+def _info(kind_reader):
+    """A saved node and a backward graph in which ``kind_reader`` reads it."""
+    fw = torch.fx.Graph()
+    fw.placeholder("a")
+    node = fw.call_function(torch.ops.aten.relu.default, (fw.find_nodes(op="placeholder")[0],))
+    node.name = "saved"
+    bw = torch.fx.Graph()
+    ph = bw.placeholder("saved")
+    bw.call_function(kind_reader, (bw.call_function(torch.ops.aten.t.default, (ph,)), ph))
+    return {"_fw_graph": fw, "_bw_graph": bw, "_node": node}
+
+
+@pytest.mark.parametrize("reader,gran", [(torch.ops.aten.mm.default, "row"), (torch.ops.aten.mul.Tensor, "group")])
+def test_pack_in_graph_round_trip(reader, gran):
+    """GEMM readers get row scales, others groups of 16 with power-of-two scales; both decode within E4M3's
+    half-ulp of the input, and the record counts codes and scales."""
+    x = torch.randn(64, 48) * torch.logspace(-3, 3, 48)
+    records = {}
+    packed = pack_in_graph(x, _info(reader), ActivationPolicy(min_numel=16), records)
+    assert isinstance(packed, tuple) and packed[2] == gran
+    assert packed[0].dtype == torch.float8_e4m3fn
+    y = unpack_in_graph(packed)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    scale = packed[1].float() if gran == "row" else _pow2(packed[1].int() - 127)
+    spacing = (scale if gran == "row" else scale.repeat_interleave(16, -1)) * 2.0**-9  # E4M3 subnormal step
+    assert ((y - x).abs() <= torch.maximum(x.abs() * 2.0**-4, spacing) * 1.0001).all()
+    (rec,) = records.values()
+    assert rec.kind == f"fp8_{gran}" and rec.original == x.numel() * 4
+    assert rec.stored == x.numel() + (64 * 4 if gran == "row" else 64 * 3)
+
+
+def test_pack_in_graph_keeps_what_it_should():
+    policy = ActivationPolicy(min_numel=4096)
+    assert pack_in_graph(torch.randn(8, 16), _info(torch.ops.aten.mul.Tensor), policy, None).shape == (8, 16)  # small
+    codes = torch.randn(128, 64).to(torch.float8_e4m3fn)
+    assert pack_in_graph(codes, _info(torch.ops.aten.mm.default), policy, None) is codes  # already low-bit
+    attn = torch.randn(128, 64)
+    info = _info(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+    assert pack_in_graph(attn, info, policy, None) is attn  # attention="keep"
+    assert isinstance(pack_in_graph(attn, info, ActivationPolicy(attention="fp8"), None), tuple)
+
+
+@pytest.mark.parametrize("attention", ["keep", "fp8"])
+def test_compiled_llama_block_packs_in_graph(attention):
+    """A compiled Llama block under the wrapper: GEMM inputs per row, SwiGLU's gate and up in groups of 16,
+    attention as asked, gradients within the issue's bound of the unwrapped block."""
+    torch._dynamo.reset()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    block, extra = make_block("plain", 128, 352, 4, 64, dev, torch.float32)
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(2, 64, 128, device=dev, generator=g)
+    dy = torch.randn(2, 64, 128, device=dev, generator=g)
+    ref = _grads(block, block, x, extra, dy)
+    run = torch.compile(block)
+    handle = compress_activations(run, attention=attention)
+    got = _grads(run, block, x, extra, dy)
+    kinds = handle.graph_stats().summary()
+    cos = _min_cos(ref, got)
+    assert cos >= (0.999 if attention == "keep" else 0.995), (cos, kinds)  # q, k, v in FP8 cost a little more
+    assert kinds["fp8_group"]["count"] >= 2 and kinds["fp8_row"]["count"] >= 2
+    assert ("attention" in kinds) == (attention == "keep"), kinds
+    by_shape = {(r.kind, r.shape) for r in handle.graph_stats().records}
+    assert ("fp8_group", (128, 352)) in by_shape  # gate and up, read by SiLU's backward
+    handle.remove()
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_compiled_block_bf16_on_gpu():
+    """The GPU path (the Triton group kernel inside the compiled graph), bf16, against the unwrapped block."""
+    torch._dynamo.reset()
+    block, extra = make_block("plain", 256, 688, 4, 128, "cuda", torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+    dy = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+    ref = _grads(block, block, x, extra, dy)
+    run = torch.compile(block)
+    handle = compress_activations(run)
+    got = _grads(run, block, x, extra, dy)
+    assert _min_cos(ref, got) >= 0.999
+    assert handle.graph_stats().summary()["fp8_group"]["count"] >= 2
+    handle.remove()
+    torch._dynamo.reset()
