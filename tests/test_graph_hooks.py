@@ -72,6 +72,12 @@ def test_group_kernel_matches_reference(dtype):
     assert torch.equal((got & 0x7F) == 0x7F, nan) and torch.equal(got[~nan], want[~nan])
     with pytest.raises(ValueError, match="group"):
         quantize_groups_pow2(x[:, :40], 16)  # not a multiple of the group
+    from lpoptim.kernels.act_quant import dequantize_groups_pow2
+    for out_dtype in (torch.float32, torch.bfloat16):  # the decoding kernel: unpack_in_graph's torch ops, bit for bit
+        want = unpack_in_graph((codes.cpu(), exps.cpu(), "group", out_dtype))
+        got = dequantize_groups_pow2(codes, exps, out_dtype).cpu()
+        assert got.dtype == out_dtype and torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got[~want.isnan()], want[~want.isnan()])
 
 
 def _info(kind_reader):
@@ -86,23 +92,26 @@ def _info(kind_reader):
     return {"_fw_graph": fw, "_bw_graph": bw, "_node": node}
 
 
-@pytest.mark.parametrize("reader,gran", [(torch.ops.aten.mm.default, "row"), (torch.ops.aten.mul.Tensor, "group")])
+@pytest.mark.parametrize("reader,gran", [(torch.ops.aten.mm.default, "row"), (torch.ops.aten.mul.Tensor, "group"),
+                                         (torch.ops.aten.mm.default, "tensor")])
 def test_pack_in_graph_round_trip(reader, gran):
-    """GEMM readers get row scales, others groups of 16 with power-of-two scales; both decode within E4M3's
-    half-ulp of the input, and the record counts codes and scales."""
+    """GEMM readers get a scale per row, others per group of 16 (one-byte powers of two); both decode within
+    E4M3's half-ulp of the input, and the record counts codes and scales."""
     x = torch.randn(64, 48) * torch.logspace(-3, 3, 48)
     records = {}
-    packed = pack_in_graph(x, _info(reader), ActivationPolicy(min_numel=16), records)
+    policy = ActivationPolicy(min_numel=16, gemm_granularity="tensor" if gran == "tensor" else "row")
+    packed = pack_in_graph(x, _info(reader), policy, records)
     assert isinstance(packed, tuple) and packed[2] == gran
     assert packed[0].dtype == torch.float8_e4m3fn
     y = unpack_in_graph(packed)
     assert y.dtype == x.dtype and y.shape == x.shape
-    scale = packed[1].float() if gran == "row" else _pow2(packed[1].int() - 127)
-    spacing = (scale if gran == "row" else scale.repeat_interleave(16, -1)) * 2.0**-9  # E4M3 subnormal step
+    assert packed[1].dtype == torch.uint8  # one-byte power-of-two scales, per row or per group
+    scale = _pow2(packed[1].int() - 127)
+    spacing = (scale.repeat_interleave(16, -1) if gran == "group" else scale) * 2.0**-9  # E4M3's subnormal step
     assert ((y - x).abs() <= torch.maximum(x.abs() * 2.0**-4, spacing) * 1.0001).all()
     (rec,) = records.values()
     assert rec.kind == f"fp8_{gran}" and rec.original == x.numel() * 4
-    assert rec.stored == x.numel() + (64 * 4 if gran == "row" else 64 * 3)
+    assert rec.stored == x.numel() + {"row": 64, "group": 64 * 3, "tensor": 1}[gran]
 
 
 def test_pack_in_graph_keeps_what_it_should():

@@ -4,16 +4,17 @@ Plain Python hooks (``saved_tensors_hooks(pack, unpack)``) see a compiled block 
 returns every tensor it saves at the end of the forward, the hooks pack them then (one more read and write of
 each, after the fact), and backward unpacks them all before the backward graph starts. AOTAutograd inlines hooks
 that are ``torch.fx.GraphModule``s instead (torch >= 2.8): it traces the pack hook once per saved tensor into the
-forward graph's epilogue and the unpack hook into the backward graph's prologue, so Inductor fuses the
-quantization with the kernels that produce the tensor and the decoding with the kernels that read it, and the
-original is freed inside the forward like any intermediate.
+forward graph's epilogue and the unpack hook into the backward graph's prologue, so Inductor schedules the
+packing right after the kernel that produces the tensor (the original is freed inside the forward like any
+intermediate) and the decoding where backward reads it, with no Python per tensor at run time.
 
 ``PACK_HOOK`` / ``UNPACK_HOOK`` are such GraphModules. ``PackContext`` installs them around every forward of a
 wrapped block. Each dispatches on where it is called from:
 
 - by AOTAutograd while it compiles (``graph_compile._get_saved_tensor_hook_context()`` names the saved node in
   the forward graph and the backward graph that reads it): ``pack_in_graph`` decides from the graphs and emits
-  torch ops (quantize.py's reference arithmetic, which Inductor compiles);
+  torch ops (quant.py's reference arithmetic, which Inductor compiles) or, for groups on CUDA, our Triton kernels
+  (kernels/act_quant.py, the same bits);
 - by autograd in eager mode (no such context): the innermost active ``PackContext``'s ``pack`` (hooks.py), and
   its ``unpack``, exactly as before.
 
@@ -23,7 +24,8 @@ The graph rules follow hooks.py's, read off the graphs instead of a TorchFunctio
 - non-float or fp8 tensors, and tensors below ``policy.min_numel`` elements, are kept;
 - a tensor read in backward by an attention kernel follows ``policy.attention``;
 - a tensor read in backward only by GEMMs (through views) gets ``policy.gemm_granularity``; everything else
-  groups of ``policy.group_size`` along the last dimension (rows where the last dim is not a multiple of it).
+  groups of ``policy.group_size`` along the last dimension (rows where the last dim is not a multiple of it);
+- every scale is a power of two held as one byte (E8M0's biased exponent).
 Replays (hooks.py rule 6) are Inductor's own business here: its partitioner recomputes cheap element-wise ops
 instead of saving them.
 
@@ -37,7 +39,7 @@ import threading
 import torch
 
 from ..nn.operands import round_for_cast
-from ..quant import absmax_scale, finite_absmax, pow2_scale_exponent, to_groups
+from ..quant import finite_absmax, pow2_scale_exponent, to_groups
 from .stats import SavedRecord
 
 _LOCAL = threading.local()  # the PackContexts entered on this thread, innermost last
@@ -142,8 +144,8 @@ def _hint(v) -> int | None:
 # ---- the traced pack and unpack ---------------------------------------------------------------------------------
 
 def pack_in_graph(t: torch.Tensor, info: dict, policy, records: list | None):
-    """What the compiled forward saves instead of ``t``: ``t`` itself (kept), or a tuple (codes, scales,
-    granularity, dtype) that unpack_in_graph decodes."""
+    """What the compiled forward saves instead of ``t``: ``t`` itself (kept), or a tuple (codes, biased exponents
+    of the power-of-two scales (uint8), granularity, dtype) that unpack_in_graph decodes."""
     dtype = t.dtype
     if info["_node"].op == "placeholder":  # a graph input (parameter, block input): held by its owner anyway
         return _kept(t, info, "parameter", "input", records)  # (torch offers none by default: "donated" only)
@@ -160,24 +162,23 @@ def pack_in_graph(t: torch.Tensor, info: dict, policy, records: list | None):
     if gran == "group" and (n % policy.group_size or isinstance(t.shape[-1], torch.SymInt)):
         gran = "row"  # groups must tile the last dim exactly here (no padding inside a graph)
     fmt = policy.fmt
-    x = t.detach().float().reshape(-1, t.shape[-1]) if t.dim() else t.detach().float().reshape(1, 1)
-    if gran == "group":
-        g = to_groups(x, policy.group_size)
-        # one power-of-two scale per group, held as a byte (its biased exponent, as E8M0): groups are small, so
-        # fp32 scales would cost a quarter of the codes' bytes, a byte costs a sixteenth; a power of two leaves
-        # E4M3's relative precision as it is (only where its subnormals begin moves, by less than a binade)
-        if t.is_cuda and fmt.dtype == torch.float8_e4m3fn and not policy.group_size & (policy.group_size - 1):
-            # one kernel of ours (kernels/act_quant.py), the same bits: Inductor fused these torch ops into the
-            # producer's reductions and ran them at ~1 TB/s
-            from ..kernels.act_quant import quantize_groups_pow2
-            codes, scale = quantize_groups_pow2(t.detach().contiguous(), policy.group_size)
-        else:
-            e = pow2_scale_exponent(finite_absmax(g, dim=-1), fmt.max)  # (R, N / G)
-            codes = round_for_cast(g * _pow2(127 - e).unsqueeze(-1), fmt).to(fmt.dtype).reshape(t.shape)
-            scale = (e + 127).to(torch.uint8)
-    else:
-        scale = absmax_scale(finite_absmax(x, dim=-1, keepdim=True) if gran == "row" else finite_absmax(x), fmt)
-        codes = round_for_cast(x / scale, fmt).to(fmt.dtype).reshape(t.shape)
+    # One power-of-two scale per group, row or tensor, held as a byte (its biased exponent, as E8M0): for groups of
+    # 16 fp32 scales would cost a quarter of the codes' bytes, a byte a sixteenth; a power of two leaves E4M3's
+    # relative precision as it is (only where its subnormals begin moves, by less than a binade).
+    if gran == "group" and t.is_cuda and fmt.dtype == torch.float8_e4m3fn and not policy.group_size & (
+            policy.group_size - 1):
+        # one kernel of ours (kernels/act_quant.py), the same bits: Inductor fused these torch ops into the
+        # producer's reductions and ran them at ~1 TB/s
+        from ..kernels.act_quant import quantize_groups_pow2
+        codes, scale = quantize_groups_pow2(t.detach().contiguous(), policy.group_size)
+    else:  # a row is one group of its length, the tensor one group of everything
+        x = t.detach().float().reshape(-1, t.shape[-1]) if t.dim() else t.detach().float().reshape(1, 1)
+        if gran == "tensor":
+            x = x.reshape(1, -1)
+        g = to_groups(x, policy.group_size if gran == "group" else x.shape[-1])
+        e = pow2_scale_exponent(finite_absmax(g, dim=-1), fmt.max)  # (rows, groups per row)
+        codes = round_for_cast(g * _pow2(127 - e).unsqueeze(-1), fmt).to(fmt.dtype).reshape(t.shape)
+        scale = (e + 127).to(torch.uint8)
     _record(records, info, f"fp8_{gran}", producer, t, numel * dtype.itemsize,
             numel + _hint(scale.numel()) * scale.element_size())
     return codes, scale, gran, dtype
@@ -205,12 +206,16 @@ def _pow2(biased: torch.Tensor) -> torch.Tensor:
 def unpack_in_graph(packed) -> torch.Tensor:
     codes, scale, gran, dtype = packed
     shape = codes.shape
-    v = codes.float().reshape(-1, shape[-1]) if codes.dim() else codes.float().reshape(1, 1)
-    if gran == "group":
-        v = (to_groups(v, v.shape[-1] // scale.shape[-1]) * _pow2(scale.int()).unsqueeze(-1)).reshape(shape)
-    else:
-        v = (v * scale).reshape(shape)
-    return v.to(dtype)
+    if gran == "group" and codes.is_cuda and codes.dtype == torch.float8_e4m3fn:
+        # our kernel (the same values), Inductor's consumers then read the decoded tensor: the decoding fused into
+        # them cost more (per-element exponent gathers; measured on a Llama block, H100, back to back: +0.3 ms a
+        # step over the unwrapped block this way, +0.4 to +0.8 ms fused)
+        from ..kernels.act_quant import dequantize_groups_pow2
+        return dequantize_groups_pow2(codes.contiguous(), scale.contiguous(), dtype)
+    # groups tile rows exactly: the k-th group of the flattened codes has the k-th scale, an index a shift computes
+    # for groups (Inductor's (row, col) form would divide by the row length for every element)
+    g = codes.numel() // scale.numel()
+    return (codes.float().reshape(-1, g) * _pow2(scale.reshape(-1).int()).unsqueeze(-1)).reshape(shape).to(dtype)
 
 
 # ---- the hooks ---------------------------------------------------------------------------------------------------
