@@ -27,6 +27,7 @@ is kept lean: benchmarks/activation_overhead.py measures it.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -170,7 +171,7 @@ class PackContext:
         # (e.g. by a custom autograd Function or a compiled graph) and is packed like any activation.
         self.constant_ids = _constant_ids(inputs)
         self.stats = stats
-        self.param_ptrs = module_storage_ptrs(module)
+        self.module = module  # its parameters' storages are looked up on the first eager pack (param_ptrs)
         self.token = object()  # identifies this forward: Sources and notes from other forwards are ignored
         self.tracker = OpTracker(self if policy.derive else None)
         # The tracker names the op saving each tensor in eager mode. Around a compiled forward it would only slow
@@ -183,6 +184,12 @@ class PackContext:
         # GraphModule hooks: in eager mode they call self.pack (and Kept / PackedActivation's unpack); a compiled graph traced under them
         # packs inside the graph itself (graph_hooks.py)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(graph_hooks.PACK_HOOK, graph_hooks.UNPACK_HOOK)
+
+    @functools.cached_property
+    def param_ptrs(self) -> set[int]:
+        """Storage addresses of the block's parameters and buffers, what pack must never compress: taken when the
+        first tensor is packed eagerly (a compiled forward packs inside its graphs and never asks)."""
+        return module_storage_ptrs(self.module)
 
     def __enter__(self):
         graph_hooks.push(self)
