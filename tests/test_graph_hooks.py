@@ -166,3 +166,106 @@ def test_compiled_block_bf16_on_gpu():
     assert handle.graph_stats().summary()["fp8_group"]["count"] >= 2
     handle.remove()
     torch._dynamo.reset()
+
+
+def _small_llama(dev="cpu"):
+    block, extra = make_block("plain", 64, 176, 4, 32, dev, torch.float32)
+    return block, extra
+
+
+def test_handles_with_different_policies_get_graphs_of_their_own():
+    """Dynamo guards on the hooks' identity: a second handle's policy is honoured and recorded in that handle."""
+    import copy
+
+    torch._dynamo.reset()
+    b1, extra = _small_llama()
+    b2 = copy.deepcopy(b1)
+    x = torch.randn(2, 32, 64)
+    h1 = compress_activations(b1)
+    h2 = compress_activations(b2, min_numel=10**9)  # keeps everything
+    r1, r2 = torch.compile(b1), torch.compile(b2)
+    for r in (r1, r2):
+        r(x, **extra).sum().backward()
+    assert h1.graph_stats().summary().get("fp8_group", {}).get("count", 0) > 0
+    kinds2 = h2.graph_stats().bytes_by_kind()
+    assert kinds2 and not any(k.startswith("fp8") for k in kinds2)
+    ref = _grads(b2, b2, x, extra, torch.ones(2, 32, 64))
+    h2.remove()
+    got = _grads(r2, b2, x, extra, torch.ones(2, 32, 64))  # unwrapped: compiled again, without packing
+    assert _min_cos(ref, got) > 0.99999
+    h1.remove()
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("order", ["wrap_then_compile", "compile_then_wrap"])
+def test_op_tracker_not_entered_around_compiled_calls(order, monkeypatch):
+    from lpoptim.activations import hooks
+
+    torch._dynamo.reset()
+    seen = []
+    init = hooks.PackContext.__init__
+
+    def spy(self, *a, **kw):
+        seen.append(kw.get("track_ops", True))
+        init(self, *a, **kw)
+
+    monkeypatch.setattr(hooks.PackContext, "__init__", spy)
+    block, extra = _small_llama()
+    if order == "wrap_then_compile":
+        h = compress_activations(block)
+        run = torch.compile(block)
+    else:
+        run = torch.compile(block)
+        h = compress_activations(run)
+    run(torch.randn(2, 32, 64), **extra).sum().backward()
+    assert seen == [False]
+    h.remove()
+    torch._dynamo.reset()
+
+
+def test_dynamic_shapes_pack_every_size():
+    """A size known only as a symbol is packed: the dynamic graph Dynamo compiles when the length changes (here
+    to one whose tensors are under min_numel) serves every length, so its hint must not decide."""
+    torch._dynamo.reset()
+    block, _ = _small_llama()
+    h = compress_activations(block)
+    run = torch.compile(block)
+    counts = []
+    for t in (32, 8, 32):
+        _, extra = make_block("plain", 64, 176, 4, t, "cpu", torch.float32)
+        run(torch.randn(2, t, 64), **extra).sum().backward()
+        counts.append(h.graph_stats().summary().get("fp8_group", {}).get("count", 0))
+    assert counts[0] > 0 and counts[1] == 2 * counts[0] and counts[2] == counts[1]  # the second graph packs as much
+    h.remove()
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_decode_stays_inside_the_dtype(dtype):
+    """A power-of-two scale can round a group's largest value past the dtype's maximum: decoded, it is clamped."""
+    top = torch.finfo(dtype).max
+    x = torch.full((4, 16), top, dtype=dtype)
+    x[1] = -top
+    x[2, 0] = torch.finfo(dtype).max * 0.98
+    packed = pack_in_graph(x, _info(torch.ops.aten.mul.Tensor), ActivationPolicy(min_numel=16), None)
+    y = unpack_in_graph(packed)
+    assert torch.isfinite(y).all() and (y[0] == top).all() and (y[1] == -top).all()
+    pytest.importorskip("triton")
+    from lpoptim.kernels.act_quant import dequantize_groups_pow2
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    assert torch.equal(dequantize_groups_pow2(packed[0].to(dev), packed[1].to(dev), dtype).cpu(), y)
+
+
+def test_context_stack_clean_after_a_refused_enter():
+    """Under torch.func transforms saved-tensor hooks refuse to be entered: the wrapped call raises as before and
+    leaves no context behind."""
+    from lpoptim.activations import graph_hooks
+
+    block, extra = _small_llama()
+    h = compress_activations(block)
+    x = torch.randn(2, 32, 64)
+    with pytest.raises(Exception):
+        torch.func.grad(lambda v: block(v, **extra).sum())(x)
+    assert graph_hooks.current() is None
+    h.remove()

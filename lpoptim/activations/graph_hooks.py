@@ -8,8 +8,9 @@ forward graph's epilogue and the unpack hook into the backward graph's prologue,
 packing right after the kernel that produces the tensor (the original is freed inside the forward like any
 intermediate) and the decoding where backward reads it, with no Python per tensor at run time.
 
-``PACK_HOOK`` / ``UNPACK_HOOK`` are such GraphModules. ``PackContext`` installs them around every forward of a
-wrapped block. Each dispatches on where it is called from:
+``GraphHooks`` holds such a pair for one handle (Dynamo guards on the hooks' identity, so each handle's policy gets
+graphs of its own). ``PackContext`` installs them around every forward of a wrapped block. Each dispatches on
+where it is called from:
 
 - by AOTAutograd while it compiles (``graph_compile._get_saved_tensor_hook_context()`` names the saved node in
   the forward graph and the backward graph that reads it): ``pack_in_graph`` decides from the graphs and emits
@@ -154,7 +155,9 @@ def pack_in_graph(t: torch.Tensor, info: dict, policy, records: list | None):
         return _kept(t, info, kind, _op_name(info["_node"].target), records)
     kind, producer = classify(info)
     numel, n = _hint(t.numel()), _hint(t.shape[-1]) if t.dim() else 1
-    if numel is None or n is None or numel < policy.min_numel:
+    # a size known only as a symbol (dynamic shapes: the tokens) is decided as large: the graph serves every size,
+    # and the hint of the one it was compiled for must not decide for the others
+    if numel is None or n is None or (numel < policy.min_numel and not isinstance(t.numel(), torch.SymInt)):
         return _kept(t, info, "small", producer, records)
     gran = policy.granularity_of(kind, producer)
     if gran is None:
@@ -208,26 +211,28 @@ def unpack_in_graph(packed) -> torch.Tensor:
     shape = codes.shape
     if gran == "group" and codes.is_cuda and codes.dtype == torch.float8_e4m3fn:
         # our kernel (the same values), Inductor's consumers then read the decoded tensor: the decoding fused into
-        # them cost more (per-element exponent gathers; measured on a Llama block, H100, back to back: +0.3 ms a
-        # step over the unwrapped block this way, +0.4 to +0.8 ms fused)
+        # them made their reductions 2.4x slower (per-element exponent gathers with div/mod index arithmetic; a
+        # Llama block on an H100, docs/activations.md)
         from ..kernels.act_quant import dequantize_groups_pow2
         return dequantize_groups_pow2(codes.contiguous(), scale.contiguous(), dtype)
     # groups tile rows exactly: the k-th group of the flattened codes has the k-th scale, an index a shift computes
     # for groups (Inductor's (row, col) form would divide by the row length for every element)
     g = codes.numel() // scale.numel()
-    return (codes.float().reshape(-1, g) * _pow2(scale.reshape(-1).int()).unsqueeze(-1)).reshape(shape).to(dtype)
+    v = codes.float().reshape(-1, g) * _pow2(scale.reshape(-1).int()).unsqueeze(-1)
+    top = torch.finfo(dtype).max  # a power-of-two scale can round a group's largest value up past the dtype's range
+    return v.clamp(-top, top).reshape(shape).to(dtype)
 
 
 # ---- the hooks ---------------------------------------------------------------------------------------------------
 
 @torch.fx.wrap
 def _pack(t):
+    """The hooks' graph: what GraphHooks' pack does, for the innermost PackContext (the GraphModules' own call goes
+    to GraphHooks, which knows its policy and records)."""
     ctx = current()
     info = _hook_context()
-    if info is None:  # eager: autograd saving a tensor inside a wrapped block's forward
+    if info is None:
         return ctx.pack(t)
-    if ctx is None:  # compiled with these hooks outside any wrapped forward: nothing asked for
-        return t
     return pack_in_graph(t, info, ctx.policy, ctx.graph_records)
 
 
@@ -251,13 +256,40 @@ def _unpack_hook(packed):
 
 
 def _hook_module(fn, dispatch):
-    """A GraphModule calling ``dispatch`` (AOTAutograd inlines only GraphModule hooks). Its ``__call__`` goes to
-    ``dispatch`` directly: autograd calls a hook once per saved tensor in eager mode, where nn.Module's call path
-    would add a few microseconds each; AOTAutograd traces through the call either way."""
+    """A GraphModule (AOTAutograd inlines only GraphModule hooks) whose call goes to ``dispatch`` directly:
+    autograd calls a hook once per saved tensor in eager mode, where nn.Module's call path would add a few
+    microseconds each; AOTAutograd traces through the call either way. (Its graph, a call of an ``fx.wrap``-ed
+    function, also keeps AOTAutograd's compile cache off for these graphs, whose plan a cache hit would skip.)"""
     gm = torch.fx.symbolic_trace(fn)
     type(gm).__call__ = lambda self, x: dispatch(x)  # GraphModule gives every instance a class of its own
     return gm
 
 
-PACK_HOOK = _hook_module(_pack_hook, _pack)
-UNPACK_HOOK = _hook_module(_unpack_hook, _unpack)
+class GraphHooks:
+    """The saved-tensor hooks of one handle (or one policy): ``pack`` and ``unpack``, GraphModules of their own.
+
+    Dynamo guards on the identity of the active saved-tensor hooks, so blocks under different handles (different
+    policies) get graphs of their own, and a graph compiled under one handle's hooks records into that handle;
+    after ``remove()`` (no hooks) the block compiles again, unwrapped."""
+
+    def __init__(self, policy, records: dict | None = None):
+        self.policy, self.records = policy, records
+        self.pack = _hook_module(_pack_hook, self._pack)
+        self.unpack = _hook_module(_unpack_hook, _unpack)
+
+    def _pack(self, t):
+        info = _hook_context()
+        if info is None:  # eager: autograd saving a tensor inside a wrapped block's forward
+            return current().pack(t)
+        return pack_in_graph(t, info, self.policy, self.records)
+
+
+_BY_POLICY: dict = {}
+
+
+def hooks_for(policy) -> GraphHooks:
+    """One GraphHooks per policy, for PackContexts made without a handle (nothing records their graphs)."""
+    hooks = _BY_POLICY.get(policy)
+    if hooks is None:
+        hooks = _BY_POLICY[policy] = GraphHooks(policy)
+    return hooks

@@ -163,9 +163,8 @@ class PackContext:
     """One forward of one wrapped block: hooks in, a dedupe table, records into ``stats`` when given."""
 
     def __init__(self, module: torch.nn.Module, policy: ActivationPolicy, stats: SavedStats | None = None,
-                 inputs=(), graph_records: dict | None = None, track_ops: bool = True):
+                 inputs=(), hooks: graph_hooks.GraphHooks | None = None, track_ops: bool = True):
         self.policy = policy
-        self.graph_records = graph_records  # what compiled graphs traced under this context pack (graph_hooks.py)
         # Tensors handed to the block that need no grad (rotary tables, masks): the caller holds them, so they
         # are kept by reference, and views of them too. Anything else without grad was made inside the block
         # (e.g. by a custom autograd Function or a compiled graph) and is packed like any activation.
@@ -183,7 +182,9 @@ class PackContext:
         self.kept_storages: dict[int, torch.Tensor] = {}
         # GraphModule hooks: in eager mode they call self.pack (and Kept / PackedActivation's unpack); a compiled graph traced under them
         # packs inside the graph itself (graph_hooks.py)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(graph_hooks.PACK_HOOK, graph_hooks.UNPACK_HOOK)
+        hooks = hooks or graph_hooks.hooks_for(policy)  # the handle's (its graphs record into it), or the policy's
+        self.graph_records = hooks.records
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)
 
     @functools.cached_property
     def param_ptrs(self) -> set[int]:
@@ -192,8 +193,8 @@ class PackContext:
         return module_storage_ptrs(self.module)
 
     def __enter__(self):
+        self._hooks.__enter__()  # (raises under torch.func transforms: then nothing is pushed)
         graph_hooks.push(self)
-        self._hooks.__enter__()
         if self.track_ops:
             self.tracker.__enter__()
         return self
@@ -202,8 +203,8 @@ class PackContext:
         if self.track_ops:
             self.tracker.__exit__(*exc)
         self.tracker.ctx = None
-        self._hooks.__exit__(*exc)
         graph_hooks.pop(self)
+        self._hooks.__exit__(*exc)
         self.seen.clear()  # the packed copies live on in the graph; the table only served this forward
         self.constant_ids.clear()
         self.kept_storages.clear()

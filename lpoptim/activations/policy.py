@@ -9,7 +9,8 @@ Granularity follows COAT's mixed scheme. A saved tensor is classified by the tor
   COAT keeps these in bf16; ``attention="keep"`` does that, ``"fp8"`` quantizes them per row like a GEMM input.
 - ``nonlinear``: everything else (norms, GELU/SiLU, products, ...): groups of 16 along the last dimension, because
   the backward of a non-linear op multiplies element by element and one outlier must not flatten its whole row.
-  This is also the fallback when the saving op is unknown (e.g. the graph of a compiled block).
+  This is also the fallback when the saving op is unknown (eager code between a compiled block's graph breaks;
+  the compiled graphs themselves are classified from the graphs, graph_hooks.py).
 """
 from __future__ import annotations
 

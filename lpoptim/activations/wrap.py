@@ -7,10 +7,10 @@ the module's class, parameters, state_dict or hooks changes; ``remove()`` delete
 torch.compile: the wrapper itself is never traced (``torch.compiler.disable(recursive=False)``): Dynamo runs it
 eagerly and compiles the block's original forward as a frame of its own, so both orders work:
 ``torch.compile(wrapped_block)`` (or a compiled model containing wrapped blocks) and
-``compress_activations(torch.compile(block))``. That frame is compiled under the wrapper's hooks, which
+``compress_activations(torch.compile(block))``. That frame is compiled under the handle's hooks, which
 AOTAutograd inlines into its forward and backward graphs (graph_hooks.py): the packing runs inside the compiled
-kernels. A block compiled *before* it was wrapped and already run keeps the graphs it has (Dynamo does not
-recompile for hooks): wrap before the first compiled call, or ``torch._dynamo.reset()``.
+graphs. Dynamo guards on the active saved-tensor hooks, so a block compiled before it was wrapped, or after
+``remove()``, compiles again.
 """
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ import contextlib
 import copy
 import functools
 import types
-import warnings
 from typing import Iterable
 
 import torch
 import torch.nn as nn
 
+from .graph_hooks import GraphHooks
 from .hooks import PackContext
 from .policy import ActivationPolicy
 from .recompute import fp8_checkpoint
@@ -53,6 +53,7 @@ class ActivationHandle:
         # what compiled graphs of these blocks pack, one record per saved tensor, written when each graph is
         # compiled (their runs call no Python per tensor, so ``record()`` does not see them)
         self.graph_records: dict = {}  # (graph, saved node) -> SavedRecord
+        self.hooks = GraphHooks(policy, self.graph_records)  # this handle's own: its graphs record here
 
     def graph_stats(self) -> SavedStats:
         """What the compiled graphs of the wrapped blocks save, by kind, as decided when each was compiled (one
@@ -77,10 +78,6 @@ class ActivationHandle:
         for b in self.blocks:
             _unwrap(b)
         self.blocks = []
-        if self.graph_records:
-            warnings.warn("compress_activations: graphs compiled while the blocks were wrapped keep packing their "
-                          "saved tensors in FP8 (Dynamo does not recompile for saved-tensor hooks); call "
-                          "torch._dynamo.reset() to compile them again unwrapped", stacklevel=2)
 
     def __enter__(self):
         return self
@@ -139,8 +136,12 @@ class _WrappedForward:
             return self.original(*args, **kwargs)  # nothing is saved: nothing to do
         if policy.recompute:
             return fp8_checkpoint(self.original, self.module, args, kwargs, policy, stats)
-        with PackContext(self.module, policy, stats, inputs=(args, kwargs), graph_records=self.handle.graph_records,
-                         track_ops=not _compiled_call(self.module)):
+        # about to run compiled: a compiled module, or Dynamo's frame callback set around this (disabled) frame, so
+        # the frames it calls are compiled (torch.compile(wrapped_block), a compiled model around it). Read here,
+        # not in a helper: Dynamo would compile the helper's frame, or disabling it would clear the callback.
+        compiled = isinstance(self.module, _OptimizedModule) or _eval_frame_callback() is not None
+        with PackContext(self.module, policy, stats, inputs=(args, kwargs), hooks=self.handle.hooks,
+                         track_ops=not compiled):
             return self.original(*args, **kwargs)
 
     def __deepcopy__(self, memo):
@@ -151,16 +152,6 @@ class _WrappedForward:
         else:
             original = copy.deepcopy(original, memo)
         return _WrappedForward(module, original, self.had_forward, self.handle)
-
-
-@torch.compiler.disable  # called from the wrapper's disabled frame: Dynamo would try to compile it as a frame of its own
-def _compiled_call(module: nn.Module) -> bool:
-    """Whether the block's forward is about to run compiled: a compiled module (``compress_activations(
-    torch.compile(block))``), or Dynamo's frame callback set around this (disabled) frame, so the frames it calls
-    are compiled (``torch.compile(wrapped_block)``, or a compiled model around it)."""
-    if isinstance(module, _OptimizedModule):
-        return True
-    return _eval_frame_callback() is not None
 
 
 def _no_callback():

@@ -141,8 +141,8 @@ def quantize_groups_pow2(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor
 
 
 @triton.jit
-def _dequant_groups_pow2_kernel(codes_ptr, exp_ptr, out_ptr, total_groups, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                                ON_GPU: tl.constexpr):
+def _dequant_groups_pow2_kernel(codes_ptr, exp_ptr, out_ptr, total_groups, TOP: tl.constexpr, G: tl.constexpr,
+                                BLOCK_G: tl.constexpr, ON_GPU: tl.constexpr):
     """E4M3 codes (uint8 bits) times 2^(exponent byte - 127) per group of G, stored as out's dtype (round to
     nearest even): graph_hooks.unpack_in_graph's groups."""
     gid = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
@@ -150,8 +150,9 @@ def _dequant_groups_pow2_kernel(codes_ptr, exp_ptr, out_ptr, total_groups, G: tl
     mask = gid[:, None] < total_groups
     v = fp8_value(tl.load(codes_ptr + offs, mask=mask, other=0), True, ON_GPU)
     e = tl.load(exp_ptr + gid, mask=gid < total_groups, other=127).to(tl.int32)
-    store_as(out_ptr + offs, v * (e << 23).to(tl.float32, bitcast=True)[:, None], mask, out_ptr.dtype.element_ty,
-             ON_GPU)
+    # a power-of-two scale can round a group's largest value up past the output dtype's range: clamped to it
+    y = tl.clamp(v * (e << 23).to(tl.float32, bitcast=True)[:, None], -TOP, TOP, propagate_nan=tl.PropagateNan.ALL)
+    store_as(out_ptr + offs, y, mask, out_ptr.dtype.element_ty, ON_GPU)
 
 
 @torch.library.triton_op("lpoptim::dequantize_groups_pow2", mutates_args=())
@@ -167,7 +168,8 @@ def dequantize_groups_pow2(codes: torch.Tensor, exps: torch.Tensor, dtype: torch
         g = n // ng
         block_g = max(1, 2048 // g)
         torch.library.wrap_triton(_dequant_groups_pow2_kernel)[(triton.cdiv(total, block_g),)](
-            codes.view(torch.uint8), exps, out, total, G=g, BLOCK_G=block_g, ON_GPU=_ON_GPU)
+            codes.view(torch.uint8), exps, out, total, TOP=torch.finfo(dtype).max, G=g, BLOCK_G=block_g,
+            ON_GPU=_ON_GPU)
     return out
 
 
