@@ -290,8 +290,18 @@ def test_recompute_gives_param_grads_when_input_needs_none():
 
 
 @pytest.mark.parametrize("order", ["wrap_then_compile", "compile_then_wrap"])
-def test_torch_compile_either_order(order):
-    torch._dynamo.reset()  # Dynamo reuses a graph compiled for the same code in an earlier test (the plan is per compile)
+def test_torch_compile_either_order(order, monkeypatch):
+    """Both orders pack inside the compiled graphs, without the op tracker (it would only add host work there)."""
+    from lpoptim.activations import hooks
+
+    torch._dynamo.reset()
+    track_ops, init = [], hooks.PackContext.__init__
+
+    def spy(self, *a, **kw):
+        track_ops.append(kw.get("track_ops", True))
+        init(self, *a, **kw)
+
+    monkeypatch.setattr(hooks.PackContext, "__init__", spy)
     block, _ = _gpt_block(torch.float32)
     x = torch.randn(2, 32, 64)
     ref = _grads(block, x, {})
@@ -309,11 +319,13 @@ def test_torch_compile_either_order(order):
     planned = handle.graph_stats().bytes_by_kind()
     assert planned.get("fp8_group", 0) > 0 and planned.get("fp8_row", 0) > 0
     assert _min_cos(ref, got) >= 0.999
+    assert track_ops and not any(track_ops)
     handle.remove()
 
 
 def test_training_quality_tinyshakespeare():
-    """A small GPT trained with every block wrapped ends within 1% of the unwrapped run's loss.
+    """A small GPT trained with every block wrapped ends within 1% of the unwrapped run's loss: eager, and compiled
+    (the packing inside the compiled graphs, graph_hooks.py: one-byte power-of-two scales).
 
     Same seed, same batches. lr 1e-3 keeps both runs in the smooth part of training: at 3e-3 the escape from the
     unigram plateau (loss ~2.5) comes a few steps earlier or later by chance, and two unwrapped runs with
@@ -322,16 +334,20 @@ def test_training_quality_tinyshakespeare():
 
     data = CharData()
     losses = {}
-    for wrapped in (False, True):
+    for wrapped in (False, True, "compiled"):
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=data.vocab_size, n_layer=2, n_head=2, n_embd=64, block_size=64))
+        run = model
         if wrapped:
-            compress_activations(model.layers)
+            handle = compress_activations(model.layers)
+        if wrapped == "compiled":
+            torch._dynamo.reset()
+            run = torch.compile(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         g = torch.Generator().manual_seed(0)
         for _ in range(150):
             xb, yb = data.batch("train", 16, 64, g)
-            loss = model(xb, yb)[1]
+            loss = run(xb, yb)[1]
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -340,6 +356,8 @@ def test_training_quality_tinyshakespeare():
             losses[wrapped] = sum(model(*data.batch("val", 32, 64, g))[1].item() for _ in range(8)) / 8
     assert losses[True] < 2.8  # it learned something (from ln 65 = 4.17)
     assert abs(losses[True] - losses[False]) <= 0.01 * losses[False], losses
+    assert abs(losses["compiled"] - losses[False]) <= 0.01 * losses[False], losses
+    assert handle.graph_stats().bytes_by_kind().get("fp8_group", 0) > 0  # the compiled run did pack in its graphs
 
 
 def _tiny_llama(dtype=torch.float32):

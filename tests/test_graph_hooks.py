@@ -197,32 +197,6 @@ def test_handles_with_different_policies_get_graphs_of_their_own():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("order", ["wrap_then_compile", "compile_then_wrap"])
-def test_op_tracker_not_entered_around_compiled_calls(order, monkeypatch):
-    from lpoptim.activations import hooks
-
-    torch._dynamo.reset()
-    seen = []
-    init = hooks.PackContext.__init__
-
-    def spy(self, *a, **kw):
-        seen.append(kw.get("track_ops", True))
-        init(self, *a, **kw)
-
-    monkeypatch.setattr(hooks.PackContext, "__init__", spy)
-    block, extra = _small_llama()
-    if order == "wrap_then_compile":
-        h = compress_activations(block)
-        run = torch.compile(block)
-    else:
-        run = torch.compile(block)
-        h = compress_activations(run)
-    run(torch.randn(2, 32, 64), **extra).sum().backward()
-    assert seen == [False]
-    h.remove()
-    torch._dynamo.reset()
-
-
 def test_dynamic_shapes_pack_every_size():
     """A size known only as a symbol is packed: the dynamic graph Dynamo compiles when the length changes (here
     to one whose tensors are under min_numel) serves every length, so its hint must not decide."""
