@@ -282,11 +282,20 @@ def test_no_reference_cycles_keep_the_graph_alive():
     x = torch.randn(2, 32, 64, requires_grad=True)
     gc.collect()
     gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
     try:
         y = block(x)
         del y
-        assert gc.collect() == 0  # everything was freed by reference counting alone: no cycle through the graph
+        gc.collect()
+        # everything of ours was freed by reference counting alone: no cycle through the graph. (After compiled
+        # tests in the same process, a forward also releases some of Dynamo's tracing objects, FakeTensors
+        # included, as cyclic garbage; those are torch's, not the graph's.)
+        ours = [o for o in gc.garbage if type(o).__module__.startswith("lpoptim")
+                or (isinstance(o, torch.Tensor) and not type(o).__module__.startswith("torch._subclasses"))]
+        assert not ours, ours[:5]
     finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
         gc.enable()
 
 

@@ -261,8 +261,26 @@ def _hook_module(fn, dispatch):
     microseconds each; AOTAutograd traces through the call either way. (Its graph, a call of an ``fx.wrap``-ed
     function, also keeps AOTAutograd's compile cache off for these graphs, whose plan a cache hit would skip.)"""
     gm = torch.fx.symbolic_trace(fn)
-    type(gm).__call__ = lambda self, x: dispatch(x)  # GraphModule gives every instance a class of its own
+    # Autograd also calls the hooks from eager code inside a compiled region (between graph breaks), where Dynamo
+    # would try to compile their Python frames (and recompile them per tensor up to its cache limit): the call frame
+    # is skipped and ``dispatch`` runs with Dynamo off. (AOTAutograd traces through it all the same.)
+    run = torch.compiler.disable(dispatch)
+
+    def call(self, x):
+        return run(x)
+
+    _skip_frame(call)
+    type(gm).__call__ = call  # GraphModule gives every instance a class of its own
     return gm
+
+
+def _skip_frame(fn):
+    """Mark ``fn``'s code for Dynamo to leave alone (torch._dynamo.decorators.skip; private: absent, nothing)."""
+    try:
+        from torch._dynamo.decorators import skip
+    except ImportError:  # pragma: no cover
+        return fn
+    return skip(fn)
 
 
 class GraphHooks:

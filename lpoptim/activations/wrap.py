@@ -140,9 +140,15 @@ class _WrappedForward:
         # the frames it calls are compiled (torch.compile(wrapped_block), a compiled model around it). Read here,
         # not in a helper: Dynamo would compile the helper's frame, or disabling it would clear the callback.
         compiled = isinstance(self.module, _OptimizedModule) or _eval_frame_callback() is not None
-        with PackContext(self.module, policy, stats, inputs=(args, kwargs), hooks=self.handle.hooks,
-                         track_ops=not compiled):
-            return self.original(*args, **kwargs)
+        ctx = _open(self.module, policy, stats, (args, kwargs), self.handle.hooks, not compiled)
+        try:
+            out = self.original(*args, **kwargs)
+        except BaseException as e:
+            _close(ctx, type(e), e, e.__traceback__)
+            raise
+        _close(ctx, None, None, None)
+        return out
+
 
     def __deepcopy__(self, memo):
         module = copy.deepcopy(self.module, memo)  # the copy under construction (already in memo)
@@ -163,6 +169,20 @@ try:  # private torch API (torch 2.x); without it every call counts as eager, wh
     from torch._dynamo.eval_frame import OptimizedModule as _OptimizedModule
 except ImportError:  # pragma: no cover
     _eval_frame_callback, _OptimizedModule = _no_callback, ()
+
+
+# The context's bookkeeping runs with Dynamo off: called from the wrapper's frame, whose callees Dynamo compiles
+# (recursive=False), its frames would be compiled too, graph-breaking and recompiling per input.
+@torch.compiler.disable
+def _open(module, policy, stats, inputs, hooks, track_ops: bool) -> PackContext:
+    ctx = PackContext(module, policy, stats, inputs=inputs, hooks=hooks, track_ops=track_ops)
+    ctx.__enter__()
+    return ctx
+
+
+@torch.compiler.disable
+def _close(ctx: PackContext, *exc) -> None:
+    ctx.__exit__(*exc)
 
 
 def _wrap(module: nn.Module, handle: ActivationHandle):
