@@ -88,24 +88,18 @@ def finite_absmax(x: torch.Tensor, dim=None, keepdim=False) -> torch.Tensor:
     return a.amax() if dim is None else a.amax(dim=dim, keepdim=keepdim)
 
 
-def pow2_block_exponent(amax: torch.Tensor, fmax: float, emin: int, emax: int = 127) -> torch.Tensor:
-    """The smallest e with amax / 2^e <= fmax (a block's power-of-two scale), clamped to [emin, emax]; emin for
-    a block whose amax is 0. amax / fmax = m·2^x with m in [0.5, 1): e = x, or x - 1 when m is exactly 0.5."""
-    mant, ex = torch.frexp(amax / fmax)
-    e = torch.where(mant > 0.5, ex, ex - 1).clamp(emin, emax)
-    return torch.where(amax > 0, e, torch.full_like(e, emin))
-
-
 def max_bits(fmax: float) -> tuple[int, int]:
-    """fmax = 1.m·2^F as (F, m's 23 mantissa bits): what pow2_scale_exponent compares amax's bits with."""
+    """fmax = 1.m·2^F as (F, m's 23 mantissa bits): what pow2_block_exponent compares amax's bits with."""
     mant, exp = math.frexp(fmax)  # fmax = mant·2^exp, mant in [0.5, 1)
     return exp - 1, int((mant * 2 - 1) * 2**23)
 
 
-def pow2_scale_exponent(amax: torch.Tensor, fmax: float, emin: int = -126, emax: int = 126) -> torch.Tensor:
-    """pow2_block_exponent's e (the smallest with amax / 2^e <= fmax), clamped to [emin, emax], from amax's fp32
-    bits alone: amax = 1.a·2^E needs e = E - F, plus one where a > m (fmax = 1.m·2^F). Integer ops only, exact
-    (no division to round), the same in Triton (kernels/act_quant.py) and in what Inductor compiles; int32."""
+def pow2_block_exponent(amax: torch.Tensor, fmax: float, emin: int, emax: int = 127) -> torch.Tensor:
+    """The smallest e with amax / 2^e <= fmax (a block's power-of-two scale), clamped to [emin, emax] (emin for a
+    block whose amax is 0), int32, from amax's fp32 bits alone: amax = 1.a·2^E needs e = E - F, plus one where
+    a > m (fmax = 1.m·2^F). Integer ops only, exact (no quotient to round, which also made a block whose
+    amax / fmax underflows fp32 get e = -1), the same in Triton (kernels/act_quant.py) and in what Inductor
+    compiles."""
     f_exp, f_mant = max_bits(fmax)
     bits = amax.float().contiguous().view(torch.int32)  # amax >= 0: no sign bit
     e = ((bits >> 23) & 0xFF) - 127 - f_exp + ((bits & 0x7FFFFF) > f_mant).int()

@@ -12,7 +12,7 @@ from lpoptim.activations import compress_activations
 from lpoptim.activations.graph_hooks import pack_in_graph, unpack_in_graph
 from lpoptim.activations.policy import ActivationPolicy
 from lpoptim.formats import E4M3, round_to_grid
-from lpoptim.quant import finite_absmax, pow2_block_exponent, pow2_scale_exponent, to_groups
+from lpoptim.quant import finite_absmax, pow2_block_exponent, to_groups
 
 
 def _min_cos(a, b):
@@ -31,17 +31,20 @@ def _grads(run, block, x, extra, dy):
     return [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
 
 
-def test_pow2_exponent_matches_frexp_reference():
+def test_pow2_exponent_is_the_smallest_that_fits():
+    """quant.pow2_block_exponent (integer ops on amax's bits) against its definition computed in float64: the
+    smallest e in [emin, emax] with amax / 2^e <= fmax (emin for zero and for amax / fmax below 2^-126)."""
     g = torch.Generator().manual_seed(0)
     a = torch.rand(100_000, generator=g) * 10.0 ** torch.randint(-40, 38, (100_000,), generator=g).float()
     a = torch.cat([a, torch.tensor([0.0, 448.0, 448.00003, 224.0, 1e-45, 3e38, 448 * 2.0**-126])])
     for fmax in (448.0, 57344.0, 6.0):
-        normal = a / fmax >= 2.0**-126  # (below, frexp's reference sees amax / fmax underflow: a scale of 2^-1)
-        assert torch.equal(pow2_scale_exponent(a, fmax)[normal],
-                           pow2_block_exponent(a, fmax, emin=-126, emax=126)[normal])
-    assert (pow2_scale_exponent(a, 448.0)[a / 448.0 < 2.0**-126] == -126).all()
-    e = pow2_scale_exponent(a, 448.0)
+        mant, ex = torch.frexp(a.double() / fmax)  # exact enough: a float64 quotient of fp32 numbers
+        ref = torch.where(mant > 0.5, ex, ex - 1).clamp(-126, 126)
+        ref = torch.where(a > 0, ref, torch.full_like(ref, -126))
+        assert torch.equal(pow2_block_exponent(a, fmax, -126, 126), ref.int())
+    e = pow2_block_exponent(a, 448.0, -126, 126)
     assert (a / _pow2(e) <= 448.0).all()  # the scale never overflows the format
+    assert (e[a / 448.0 < 2.0**-126] == -126).all()
 
 
 def _hard(shape, dtype):
@@ -64,7 +67,7 @@ def test_group_kernel_matches_reference(dtype):
     x = _hard((40, 64), dtype).to(dev)
     codes, exps = quantize_groups_pow2(x, 16)
     g = to_groups(x.float().cpu(), 16)
-    e = pow2_scale_exponent(finite_absmax(g, dim=-1), 448.0)
+    e = pow2_block_exponent(finite_absmax(g, dim=-1), 448.0, -126, 126)
     ref = round_to_grid(g * _pow2(-e).unsqueeze(-1), E4M3).to(torch.float8_e4m3fn)
     assert torch.equal(exps.cpu().int() - 127, e)
     got, want = codes.cpu().view(torch.uint8), ref.reshape(x.shape).view(torch.uint8)

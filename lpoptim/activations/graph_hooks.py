@@ -40,7 +40,7 @@ import threading
 import torch
 
 from ..nn.operands import round_for_cast
-from ..quant import finite_absmax, pow2_scale_exponent, to_groups
+from ..quant import finite_absmax, pow2_block_exponent, to_groups
 from .stats import SavedRecord
 
 _LOCAL = threading.local()  # the PackContexts entered on this thread, innermost last
@@ -144,7 +144,7 @@ def _hint(v) -> int | None:
 
 # ---- the traced pack and unpack ---------------------------------------------------------------------------------
 
-def pack_in_graph(t: torch.Tensor, info: dict, policy, records: list | None):
+def pack_in_graph(t: torch.Tensor, info: dict, policy, records: dict | None):
     """What the compiled forward saves instead of ``t``: ``t`` itself (kept), or a tuple (codes, biased exponents
     of the power-of-two scales (uint8), granularity, dtype) that unpack_in_graph decodes."""
     dtype = t.dtype
@@ -170,8 +170,8 @@ def pack_in_graph(t: torch.Tensor, info: dict, policy, records: list | None):
     # relative precision as it is (only where its subnormals begin moves, by less than a binade).
     if gran == "group" and t.is_cuda and fmt.dtype == torch.float8_e4m3fn and not policy.group_size & (
             policy.group_size - 1):
-        # one kernel of ours (kernels/act_quant.py), the same bits: Inductor fused these torch ops into the
-        # producer's reductions and ran them at ~1 TB/s
+        # one kernel of ours (kernels/act_quant.py), the same bits: Inductor's kernel for these torch ops took
+        # twice as long (H100, docs/activations.md)
         from ..kernels.act_quant import quantize_groups_pow2
         codes, scale = quantize_groups_pow2(t.detach().contiguous(), policy.group_size)
     else:  # a row is one group of its length, the tensor one group of everything
@@ -179,7 +179,7 @@ def pack_in_graph(t: torch.Tensor, info: dict, policy, records: list | None):
         if gran == "tensor":
             x = x.reshape(1, -1)
         g = to_groups(x, policy.group_size if gran == "group" else x.shape[-1])
-        e = pow2_scale_exponent(finite_absmax(g, dim=-1), fmt.max)  # (rows, groups per row)
+        e = pow2_block_exponent(finite_absmax(g, dim=-1), fmt.max, -126, 126)  # (rows, groups per row)
         codes = round_for_cast(g * _pow2(127 - e).unsqueeze(-1), fmt).to(fmt.dtype).reshape(t.shape)
         scale = (e + 127).to(torch.uint8)
     _record(records, info, f"fp8_{gran}", producer, t, numel * dtype.itemsize,
@@ -227,13 +227,9 @@ def unpack_in_graph(packed) -> torch.Tensor:
 
 @torch.fx.wrap
 def _pack(t):
-    """The hooks' graph: what GraphHooks' pack does, for the innermost PackContext (the GraphModules' own call goes
-    to GraphHooks, which knows its policy and records)."""
-    ctx = current()
-    info = _hook_context()
-    if info is None:
-        return ctx.pack(t)
-    return pack_in_graph(t, info, ctx.policy, ctx.graph_records)
+    """The hooks' graph: GraphHooks' pack for the innermost PackContext (the GraphModules' own call goes to
+    their GraphHooks directly)."""
+    return current().hooks._pack(t)
 
 
 @torch.fx.wrap

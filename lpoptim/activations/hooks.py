@@ -180,11 +180,11 @@ class PackContext:
         self.track_ops = track_ops
         self.seen: dict[tuple, tuple[weakref.ref, PackedActivation]] = {}
         self.kept_storages: dict[int, torch.Tensor] = {}
-        # GraphModule hooks: in eager mode they call self.pack (and Kept / PackedActivation's unpack); a compiled graph traced under them
-        # packs inside the graph itself (graph_hooks.py)
-        hooks = hooks or graph_hooks.hooks_for(policy)  # the handle's (its graphs record into it), or the policy's
-        self.graph_records = hooks.records
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)
+        # GraphModule hooks: in eager mode they call self.pack (and Kept / PackedActivation's unpack); a compiled
+        # graph traced under them packs inside the graph itself (graph_hooks.py). The handle's (its graphs record
+        # into it), or the policy's.
+        self.hooks = hooks or graph_hooks.hooks_for(policy)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack)
 
     @functools.cached_property
     def param_ptrs(self) -> set[int]:

@@ -149,7 +149,6 @@ class _WrappedForward:
         _close(ctx, None, None, None)
         return out
 
-
     def __deepcopy__(self, memo):
         module = copy.deepcopy(self.module, memo)  # the copy under construction (already in memo)
         original = self.original

@@ -99,7 +99,8 @@ def _dequant_kernel(codes_ptr, scale_ptr, out_ptr, numel, N, NG,
 def _quant_groups_pow2_kernel(x_ptr, codes_ptr, exp_ptr, total_groups, FMAX: tl.constexpr, F_EXP: tl.constexpr,
                               F_MANT: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, ON_GPU: tl.constexpr):
     """Groups of G consecutive elements (the last dim a multiple of G) -> E4M3 codes and one power-of-two scale
-    per group as a biased exponent byte: quant.pow2_scale_exponent and graph_hooks.pack_in_graph, bit for bit (integer ops on amax's bits)."""
+    per group as a biased exponent byte: quant.pow2_block_exponent (integer ops on amax's bits) and
+    graph_hooks.pack_in_graph, bit for bit."""
     gid = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
     offs = gid[:, None] * G + tl.arange(0, G)[None, :]
     mask = gid[:, None] < total_groups
@@ -122,8 +123,8 @@ def quantize_groups_pow2(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor
     uint8 biased exponents (R, N / G)): graph_hooks.pack_in_graph's groups in one pass.
 
     A triton_op: inside a compiled graph Inductor launches the kernel from its own generated code (no Python
-    per call) and schedules around it; it cannot fuse it, which is the point: fused into a neighbouring
-    reduction by Inductor the same packing ran at about 1 TB/s (a Llama block, H100)."""
+    per call) and schedules around it; it cannot fuse it. Inductor's own kernel for the same torch ops took twice
+    as long on a Llama block (H100, docs/activations.md)."""
     r, n = rows_of(x.shape)
     if not x.is_contiguous() or n % group_size or group_size & (group_size - 1):
         raise ValueError(f"quantize_groups_pow2: contiguous input with a last dim ({n}) that a power-of-two group "
