@@ -247,6 +247,9 @@ def main(argv=None):
     def fast_block():  # the forward GEMM with Hopper's fast FP8 accumulation, as torchao's default
         return fp8_block("fp8_tensor_fast")
 
+    def compiled(make):  # a block from ``make``, compiled, unwrapped
+        return lambda: (lambda m: (torch.compile(m), m, None))(make())
+
     # name: (build -> (callable, module holding the parameters, handle or None), FP8 GEMMs?)
     def v_eager():
         return block, block, None
@@ -279,11 +282,11 @@ def main(argv=None):
     if convert_linears is not None:
         variants |= {
             "fp8 linears": ((lambda: (lambda m: (m, m, None))(fp8_block())), True),
-            "fp8 linears compiled": ((lambda: (lambda m: (torch.compile(m), m, None))(fp8_block())), True),
+            "fp8 linears compiled": (compiled(fp8_block), True),
             "fp8 linears + lpoptim": (v_lp(fp8_block), True),
             "fp8 linears + lpoptim compiled": (v_lp(fp8_block, compile_=True), True),
             "fp8 linears + lpoptim compiled attn fp8": (v_lp(fp8_block, compile_=True, attention="fp8"), True),
-            "fp8 fast linears compiled": ((lambda: (lambda m: (torch.compile(m), m, None))(fast_block())), True),
+            "fp8 fast linears compiled": (compiled(fast_block), True),
             "fp8 fast linears + lpoptim compiled": (v_lp(fast_block, compile_=True), True),
             "fp8 linears + lpoptim recompute": (v_lp(fp8_block, recompute=True), True),
         }
