@@ -51,7 +51,7 @@ def _grads(block, x, kwargs, params_of=None):
     params_of.zero_grad(set_to_none=True)
     y = block(x, **kwargs)
     y = y[0] if isinstance(y, tuple) else y
-    w = torch.linspace(-1, 1, y.shape[-1], dtype=y.dtype)
+    w = torch.linspace(-1, 1, y.shape[-1], dtype=y.dtype, device=y.device)
     (y.float() * w.float()).pow(2).sum().backward()
     return {"input": x.grad.float()} | {n: p.grad.float() for n, p in params_of.named_parameters()}
 

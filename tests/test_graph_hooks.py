@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from benchmarks.activations import make_block
 from lpoptim.activations import compress_activations
@@ -13,22 +12,11 @@ from lpoptim.activations.graph_hooks import pack_in_graph, unpack_in_graph
 from lpoptim.activations.policy import ActivationPolicy
 from lpoptim.formats import E4M3, round_to_grid
 from lpoptim.quant import finite_absmax, pow2_block_exponent, to_groups
-
-
-def _min_cos(a, b):
-    return min(F.cosine_similarity(x.flatten().float(), y.flatten().float(), dim=0).item() for x, y in zip(a, b))
+from test_activations import _grads, _min_cos  # the gradient helpers of the eager wrapper's tests
 
 
 def _pow2(e):
     return torch.ldexp(torch.ones(e.shape), e.float())
-
-
-def _grads(run, block, x, extra, dy):
-    for p in block.parameters():
-        p.grad = None
-    x = x.detach().requires_grad_(True)
-    run(x, **extra).backward(dy)
-    return [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
 
 
 def test_pow2_exponent_is_the_smallest_that_fits():
@@ -137,11 +125,10 @@ def test_compiled_llama_block_packs_in_graph(attention):
     block, extra = make_block("plain", 128, 352, 4, 64, dev, torch.float32)
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(2, 64, 128, device=dev, generator=g)
-    dy = torch.randn(2, 64, 128, device=dev, generator=g)
-    ref = _grads(block, block, x, extra, dy)
+    ref = _grads(block, x, extra)
     run = torch.compile(block)
     handle = compress_activations(run, attention=attention)
-    got = _grads(run, block, x, extra, dy)
+    got = _grads(run, x, extra, params_of=block)
     kinds = handle.graph_stats().summary()
     cos = _min_cos(ref, got)
     assert cos >= (0.999 if attention == "keep" else 0.995), (cos, kinds)  # q, k, v in FP8 cost a little more
@@ -160,11 +147,10 @@ def test_compiled_block_bf16_on_gpu():
     block, extra = make_block("plain", 256, 688, 4, 128, "cuda", torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16, generator=g)
-    dy = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16, generator=g)
-    ref = _grads(block, block, x, extra, dy)
+    ref = _grads(block, x, extra)
     run = torch.compile(block)
     handle = compress_activations(run)
-    got = _grads(run, block, x, extra, dy)
+    got = _grads(run, x, extra, params_of=block)
     assert _min_cos(ref, got) >= 0.999
     assert handle.graph_stats().summary()["fp8_group"]["count"] >= 2
     handle.remove()
@@ -192,9 +178,9 @@ def test_handles_with_different_policies_get_graphs_of_their_own():
     assert h1.graph_stats().summary().get("fp8_group", {}).get("count", 0) > 0
     kinds2 = h2.graph_stats().bytes_by_kind()
     assert kinds2 and not any(k.startswith("fp8") for k in kinds2)
-    ref = _grads(b2, b2, x, extra, torch.ones(2, 32, 64))
+    ref = _grads(b2, x, extra)
     h2.remove()
-    got = _grads(r2, b2, x, extra, torch.ones(2, 32, 64))  # unwrapped: compiled again, without packing
+    got = _grads(r2, x, extra, params_of=b2)  # unwrapped: compiled again, without packing
     assert _min_cos(ref, got) > 0.99999
     h1.remove()
     torch._dynamo.reset()

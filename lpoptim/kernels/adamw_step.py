@@ -300,7 +300,8 @@ def _tables(batch, layout, block_g: int) -> _Plan:
                   for p, g, s, _l in batch)
     if addrs == plan.addr_key:
         return plan
-    table = plan.tables.pop(addrs, None)  # its step counts were checked when it was built  # gradients often come back to addresses seen a step or two ago
+    # gradients often come back to addresses seen a step or two ago (that table's step counts were checked then)
+    table = plan.tables.pop(addrs, None)
     if table is None and plan.addr_key is not None:
         # usually only gradients moved (set_to_none, or a step per parameter in backward)
         changed = [(t, c, v) for t, (new, old) in enumerate(zip(addrs, plan.addr_key)) for c, (v, o) in
@@ -391,7 +392,8 @@ def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_de
         plan.ptrs, plan.dims, plan.blocks, lr_t if lr_is_tensor else dummy, decay if lr_is_tensor else dummy,
         grad_scale.to(dev, torch.float32) if grad_scale is not None else dummy,
         found_inf if found_inf is not None else dummy, plan.salts if salts is not None else dummy,
-        0.0 if lr_is_tensor else float(lr), 0.0 if lr_is_tensor else float(decay), beta1, 1 - beta1, beta2, 1 - beta2, eps,
+        0.0 if lr_is_tensor else float(lr), 0.0 if lr_is_tensor else float(decay),
+        beta1, 1 - beta1, beta2, 1 - beta2, eps,
         PARAM_DTYPE=_TL_DTYPES[dtype], G=layout.group_size, BLOCK_G=block_g,
         **_format_args(layout.exp_avg_format, "M"), **_format_args(layout.exp_avg_sq_format, "V"),
         QUANT=layout.quantized, EXPANSION=layout.expansion, SQRT_V=layout.sqrt_v, AMSGRAD=amsgrad, MAXIMIZE=maximize,
