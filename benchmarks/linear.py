@@ -25,7 +25,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lpoptim.nn.operands as operands  # noqa: E402
-from benchmarks.timing import timer  # noqa: E402
+from benchmarks.timing import back_to_back_ms, timer  # noqa: E402
 from lpoptim.bench import environment  # noqa: E402
 from lpoptim.nn import LowBitLinear  # noqa: E402
 
@@ -55,7 +55,10 @@ def make_inputs(m, k, n, dtype, device, l2_bytes=50 << 20):
              torch.randn(m, n, device=device, dtype=dtype, generator=g)) for _ in range(count)]
 
 
-def fwd_bwd_ms(layer, inputs, warmup, iters, cuda) -> float:
+def fwd_bwd_ms(layer, inputs, warmup, iters, cuda) -> tuple[float, float | None]:
+    """(median ms of one step timed alone after a synchronize, which includes the host's work up to the GPU's
+    first kernels; ms per step of ``iters`` steps queued back to back, as a training loop runs them, None on the
+    CPU)."""
     state = {"i": 0}
 
     def step():
@@ -65,7 +68,8 @@ def fwd_bwd_ms(layer, inputs, warmup, iters, cuda) -> float:
         layer.zero_grad(set_to_none=True)
         layer(x).backward(gy)
 
-    return timer(step, warmup, iters, cuda)
+    alone = timer(step, warmup, iters, cuda)
+    return alone, back_to_back_ms(step, iters) if cuda else None
 
 
 def torchao_float8(base: nn.Linear, recipe: str):
@@ -78,6 +82,8 @@ def torchao_float8(base: nn.Linear, recipe: str):
 
 def layer_benchmarks(args, device, dtype, cuda):
     shapes = SMALL_SHAPES if args.small else SHAPES
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("->")) for s in args.shapes.split(",")]
     m = args.tokens
     rows = []
     for k, n in shapes:
@@ -98,10 +104,12 @@ def layer_benchmarks(args, device, dtype, cuda):
                 variants.append((label, lambda recipe=recipe: (torch._dynamo.reset(), torch.compile(
                     LowBitLinear.from_linear(base, recipe)))[1]))
         for label, build in variants:
+            if args.variants and not any(f in label for f in args.variants.split(",")) and not label.startswith("bf16"):
+                continue
             row = {"shape": f"{k}->{n}", "tokens": m, "variant": label}
             try:
                 layer = build()
-                row["ms"] = fwd_bwd_ms(layer, inputs, args.warmup, args.iters, cuda)
+                row["ms"], row["ms_back_to_back"] = fwd_bwd_ms(layer, inputs, args.warmup, args.iters, cuda)
                 flops = 6.0 * m * k * n
                 row["tflops"] = flops / row["ms"] / 1e9
                 row["floor_ms_bf16_peak"] = flops / H100_PEAK["bf16"] * 1e3
@@ -191,6 +199,16 @@ def summary(layers, qual, kernels):
             cells.append(f"{ms:8.3f} ({b / ms:4.2f}x)" if ms and b else f"{'n/a':>16s}")
         t = next((TARGETS[k] for k in TARGETS if f" {k}" in v and v.startswith("lpoptim")), None)
         lines.append(f"{v:36s}" + "".join(f"{c:>22s}" for c in cells) + (f"  >= {t}x" if t else ""))
+    b2b = {(r["shape"], r["variant"]): r.get("ms_back_to_back") for r in layers}
+    if any(b2b.values()):
+        lines.append("")
+        lines.append("the same, steps queued back to back (ms per step; speed-up vs the same baseline back to back)")
+        for v in variants:
+            cells = []
+            for s in shapes:
+                ms, b = b2b.get((s, v)), b2b.get((s, base))
+                cells.append(f"{ms:8.3f} ({b / ms:4.2f}x)" if ms and b else f"{'n/a':>16s}")
+            lines.append(f"{v:36s}" + "".join(f"{c:>22s}" for c in cells))
     lines.append("")
     lines.append("quantizer kernels: " + "; ".join(f"{k['kernel']}: {k.get('GB_per_s', float('nan')):.0f} GB/s"
                                                     for k in kernels))
@@ -213,6 +231,10 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--quality-steps", type=int, default=None)
     p.add_argument("--skip-quality", action="store_true")
+    p.add_argument("--shapes", default=None, help="in->out pairs, comma-separated, e.g. 4096->4096 (default: all)")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated substrings of the variants to time (the bf16 baselines always run)")
+    p.add_argument("--skip-kernels", action="store_true")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.small
     device = "cuda" if cuda else "cpu"
@@ -224,7 +246,7 @@ def main(argv=None):
     env = {**environment(), "python": platform.python_version(), "device": device}  # GPU, versions, command
     print(json.dumps(env), flush=True)
     layers = layer_benchmarks(args, device, dtype, cuda)
-    kernels = kernel_benchmarks(args, device, dtype, cuda)
+    kernels = [] if args.skip_kernels else kernel_benchmarks(args, device, dtype, cuda)
     qual = None if args.skip_quality else quality(args, device, cuda)
     result = {"env": env, "layers": layers, "kernels": kernels, "quality": qual,
               "scaled_mm_fallbacks": operands.FALLBACKS}

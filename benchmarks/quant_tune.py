@@ -1,10 +1,10 @@
 """Tile shapes of the operand quantizer (lpoptim/kernels/linear_quant.py TUNING): achieved bandwidth per shape.
 
-    PYTHONPATH=$PWD python3 benchmarks/quant_tune.py [--modes rows,from_max,tensor,hadamard]
+    PYTHONPATH=$PWD python3 benchmarks/quant_tune.py [--modes rows,from_max,tensor,hadamard,absmax]
 
 Times quantize_rows per row ("rows"), the one-pass column quantizer with known scales ("from_max", as
 quantize_rows_and_cols runs it) and the per-tensor quantizer writing x and xᵀ ("tensor",
-quantize_tensor_rows_cols, its absmax pass included), and INT4 after a block Hadamard of 128 ("hadamard") on bf16 tensors of the fp8 linears' sizes (x: 16384 x 4096,
+quantize_tensor_rows_cols, its absmax pass included), INT4 after a block Hadamard of 128 ("hadamard"), and the finite absmax pass alone ("absmax", x read once) on bf16 tensors of the fp8 linears' sizes (x: 16384 x 4096,
 dy: 16384 x 11008), CUDA events, median of 20; bandwidth counts x read once and the fp8 copies written.
 """
 import argparse
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.timing import timer  # noqa: E402
+from benchmarks.timing import back_to_back_ms, timer  # noqa: E402
 from lpoptim.formats import E4M3  # noqa: E402
 from lpoptim.kernels import linear_quant as lq  # noqa: E402
 
@@ -23,7 +23,8 @@ from lpoptim.kernels import linear_quant as lq  # noqa: E402
 # (rows per program, columns per tile) swept per mode
 TILES = {"rows": ((16, 32, 64), (128, 256, 512)), "from_max": ((16, 32, 64), (128, 256, 512)),
          "tensor": ((32, 64, 128), (64, 128, 256)),
-         "hadamard": ((16, 32, 64, 128), (128,))}  # INT4 after a Hadamard of 128: the tile's width is the block
+         "hadamard": ((16, 32, 64, 128), (128,)),
+         "absmax": ((8, 16, 32, 64), (128, 256, 512, 1024))}  # INT4 after a Hadamard of 128: the tile's width is the block
 
 
 def main():
@@ -40,7 +41,13 @@ def main():
                 if br * bc // (32 * nw) > 128:  # fp32 tile elements per thread: beyond this it spills
                     continue
                 lq.TUNING[mode] = dict(block_r=br, block_c=bc, num_warps=nw)
-                nbytes = x.numel() * (4 if mode == "tensor" else 3)
+                nbytes = x.numel() * (4 if mode == "tensor" else 2 if mode == "absmax" else 3)
+                if mode == "absmax":  # a short kernel: 20 calls back to back between two events, not one alone
+                    ms = back_to_back_ms(lambda: lq.finite_absmax(x), 20)
+                    print(f"{m}x{k} {mode:8s} block_r={br:3d} block_c={bc:4d} warps={nw}  {ms:7.3f} ms  "
+                          f"{nbytes / ms / 1e6:6.0f} GB/s", flush=True)
+                    lq.TUNING.update({k2: dict(v) for k2, v in saved.items()})
+                    continue
                 if mode == "rows":
                     fn = lambda: lq.quantize_rows(x, E4M3, "row", None, k)  # noqa: E731
                 elif mode == "hadamard":

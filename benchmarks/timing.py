@@ -30,6 +30,20 @@ def timer(fn, warmup: int, iters: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
+def back_to_back_ms(fn, iters: int) -> float:
+    """Milliseconds per call of ``iters`` calls of fn() queued back to back between two CUDA events (after one
+    warm-up call): the host's work overlaps the GPU's, as in a training loop, unless it is the slower."""
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / iters
+
+
 def profile_steps(step, steps: int = 1):
     """Run ``step(i)`` for i < ``steps`` under torch.profiler (CPU and CUDA). Returns (wall ms per step, GPU kernel
     ms per step, the profiler's key_averages()); the wall time includes the profiler's own host cost."""

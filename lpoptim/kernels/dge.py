@@ -16,6 +16,7 @@ import triton.language as tl
 
 from ..formats import E2M1
 from .grid import absmax_scale, finite_abs, interpreted, store_as
+from .launch import cdiv, launcher
 
 # where the scale comes from: W's rows (computed here), a given one per row, or a given one for the tensor
 _FROM_W, _PER_ROW, _PER_TENSOR = 0, 1, 2
@@ -67,7 +68,7 @@ def dge_scale_grad(dw: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None
     R, C = w.shape
     if R and C:
         block_r = 4
-        _dge_grad_kernel[(triton.cdiv(R, block_r),)](dw, w, scale, out, R, C, K=float(k), CAP=float(cap),
-                                                     FMAX=float(E2M1.max), SCALE=mode, BLOCK_R=block_r,
-                                                     BLOCK_C=512, ON_GPU=not interpreted(), num_warps=4)
+        launcher(_dge_grad_kernel)((cdiv(R, block_r),), dw, w, scale, out, R, C, K=float(k), CAP=float(cap),
+                                   FMAX=float(E2M1.max), SCALE=mode, BLOCK_R=block_r, BLOCK_C=512,
+                                   ON_GPU=not interpreted(), num_warps=4)
     return out

@@ -24,6 +24,7 @@ from ..nn.operands import container_dtype
 from ..quant import absmax_scale
 from .grid import absmax_scale as _absmax_scale
 from .grid import finite_abs, fp8_bits, interpreted, round_to_grid
+from .launch import cdiv, launcher, next_power_of_2
 
 @triton.jit
 def _load_hadamard(h_ptr, HB: tl.constexpr, BF16_DOT: tl.constexpr):
@@ -55,13 +56,14 @@ def _load_tile(x_ptr, h, rows, c0, R, C, stride_r, stride_c, BLOCK_C: tl.constex
 
 @triton.jit
 def _finite_absmax_kernel(x_ptr, max_ptr, R, C, stride_r, stride_c, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """max |x| over finite elements, into one int32 (|x| orders as its bits do) by an atomic per program."""
+    """max |x| over finite elements, into one int32 (|x| orders as its bits do) by an atomic per program. The
+    running maximum is a whole tile, reduced once at the end: no reduction between one tile's loads and the next."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    amax = tl.zeros((BLOCK_R,), tl.float32)
+    amax = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
     for c0 in range(0, C, BLOCK_C):
         t = finite_abs(_load_tile(x_ptr, 0.0, rows, c0, R, C, stride_r, stride_c, BLOCK_C, False, 1.0, False))
-        amax = tl.maximum(amax, tl.max(t, axis=1))
-    tl.atomic_max(max_ptr, tl.max(amax, axis=0).to(tl.int32, bitcast=True))
+        amax = tl.maximum(amax, t)
+    tl.atomic_max(max_ptr, tl.max(tl.max(amax, axis=1), axis=0).to(tl.int32, bitcast=True))
 
 
 def finite_absmax(x: torch.Tensor) -> torch.Tensor:
@@ -71,9 +73,10 @@ def finite_absmax(x: torch.Tensor) -> torch.Tensor:
     bits = torch.zeros((), device=x.device, dtype=torch.int32)  # +0.0
     R, C = x.shape
     if R and C:
-        block_c = min(256, triton.next_power_of_2(max(C, 16)))
-        _finite_absmax_kernel[(triton.cdiv(R, 16),)](x, bits, R, C, x.stride(0), x.stride(1), BLOCK_R=16,
-                                                     BLOCK_C=block_c)
+        tune = TUNING["absmax"]
+        block_c = min(tune["block_c"], next_power_of_2(max(C, 16)))
+        launcher(_finite_absmax_kernel)((cdiv(R, tune["block_r"]),), x, bits, R, C, x.stride(0), x.stride(1),
+                                        BLOCK_R=tune["block_r"], BLOCK_C=block_c, num_warps=tune["num_warps"])
     return bits.view(torch.float32)
 
 
@@ -149,7 +152,9 @@ TUNING = {"rows": dict(block_r=16, block_c=256, num_warps=4), "from_max": dict(b
           # docs/results/quant_tune_tensor_cols_h100.txt)
           "tensor": dict(block_r=32, block_c=256, num_warps=8),
           # with a block Hadamard (the tile's columns are one Hadamard block): rows per program for its tl.dot
-          "hadamard": dict(block_r=64, num_warps=8)}
+          "hadamard": dict(block_r=64, num_warps=8),
+          # the finite absmax pass (per-tensor scales): the fourth session's tile, kept until swept
+          "absmax": dict(block_r=16, block_c=256, num_warps=4)}
 
 
 def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block: int | None = None,
@@ -195,13 +200,13 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
     if had and (hadamard_block > 128 or x.dtype != torch.bfloat16):  # swept for bf16 and 128 only: the matrix
         tune = dict(block_r=32, num_warps=4)  # stays live in the loop, so larger ones keep the smaller tile
     block_r = tune["block_r"]
-    block_c = hadamard_block if had else min(tune["block_c"], triton.next_power_of_2(max(cols, 16)))
+    block_c = hadamard_block if had else min(tune["block_c"], next_power_of_2(max(cols, 16)))
     h = hadamard_pm1(hadamard_block, x.device) if had else scale  # dummy pointer when unused
     cols_per_program = 4 * block_c
     # at least one column program: the one with program_id(1) == 0 writes the scales, even for zero columns
-    grid = (triton.cdiv(R, block_r), max(1, triton.cdiv(cols, cols_per_program)) if from_max else 1)
-    _quant_rows_kernel[grid](
-        x, out, scale, h, col_max if col_max is not None else scale, tensor_max if tensor_max is not None else scale,
+    grid = (cdiv(R, block_r), max(1, cdiv(cols, cols_per_program)) if from_max else 1)
+    launcher(_quant_rows_kernel)(
+        grid, x, out, scale, h, col_max if col_max is not None else scale, tensor_max if tensor_max is not None else scale,
         R, C, cols, x.stride(0), x.stride(1),
         **_grid_args(fmt, "", out), HAD=had, INV_SQRT=inv_sqrt(hadamard_block) if had else 1.0,
         # the interpreter's bf16 tl.dot returns garbage (triton 3.9); its fp32 'ieee' dot computes the same sums
@@ -298,9 +303,9 @@ def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int |
     tune = TUNING["tensor"]
     block_r, block_c = tune["block_r"], tune["block_c"]
     if max(R, rp) and max(C, cp):
-        grid = (triton.cdiv(max(R, rp), block_r), triton.cdiv(max(C, cp), block_c))
-        _quant_tensor_kernel[grid](
-            x, amax, *(rows or (dummy, dummy)), *(cols or (dummy, dummy)), R, C, rp, cp, x.stride(0), x.stride(1),
+        grid = (cdiv(max(R, rp), block_r), cdiv(max(C, cp), block_c))
+        launcher(_quant_tensor_kernel)(
+            grid, x, amax, *(rows or (dummy, dummy)), *(cols or (dummy, dummy)), R, C, rp, cp, x.stride(0), x.stride(1),
             ROWS=rows is not None, **_grid_args(row_fmt or get_format("e4m3"), "R_", rows[0] if rows else dummy),
             COLS=cols is not None, **_grid_args(col_fmt or get_format("e4m3"), "C_", cols[0] if cols else dummy),
             BLOCK_R=block_r, BLOCK_C=block_c, ON_GPU=not interpreted(), num_warps=tune["num_warps"])

@@ -36,6 +36,7 @@ def hadamard_pm1(b: int, device="cpu", dtype=torch.float32) -> torch.Tensor:
     return _hadamard_pm1_on(b, torch.device(device), dtype)
 
 
+@functools.cache  # asked on every Hadamard launch
 def inv_sqrt(b: int) -> float:
     """1/√b as the fp32 number both reference and kernel multiply by."""
     return torch.tensor(1.0 / math.sqrt(b), dtype=torch.float32).item()

@@ -247,6 +247,13 @@ def _scales(a: Operand, b: Operand):
     return sa, sb
 
 
+def _scaled_mm(a: Operand, b: Operand, sa, sb, out_dtype, fast_accum):
+    # row-wise scales: the CUDA kernel writes bf16 only
+    return torch._scaled_mm(a.values, b.values.t(), scale_a=sa, scale_b=sb,
+                            out_dtype=torch.bfloat16 if sa.dim() == 2 else out_dtype,
+                            use_fast_accum=fast_accum).to(out_dtype)
+
+
 def gemm(a: Operand, b: Operand, out_dtype: torch.dtype = torch.float32, fast_accum: bool = False) -> torch.Tensor:
     """(a.values·a.scale) @ (b.values·b.scale)ᵀ: a (M, K), b (N, K), the contraction dim K last in both.
 
@@ -256,17 +263,11 @@ def gemm(a: Operand, b: Operand, out_dtype: torch.dtype = torch.float32, fast_ac
     ``fast_accum`` changes nothing there).
     """
     sa, sb = _scales(a, b)
-
-    def scaled_mm():  # row-wise scales: the CUDA kernel writes bf16 only
-        return torch._scaled_mm(a.values, b.values.t(), scale_a=sa, scale_b=sb,
-                                out_dtype=torch.bfloat16 if sa.dim() == 2 else out_dtype,
-                                use_fast_accum=fast_accum).to(out_dtype)
-
     if a.values.is_cuda and torch.compiler.is_compiling():  # no fallback to trace: Inductor compiles the call
-        return scaled_mm()
+        return _scaled_mm(a, b, sa, sb, out_dtype, fast_accum)
     if a.values.is_cuda:
         try:
-            return scaled_mm()
+            return _scaled_mm(a, b, sa, sb, out_dtype, fast_accum)
         except torch.OutOfMemoryError:  # not a missing kernel: the fp32 emulation would need more memory still
             raise
         except RuntimeError as e:  # keep training correct; the benchmark reports this loudly

@@ -1,0 +1,179 @@
+"""What the host spends issuing one low-bit linear step: per-call costs of the pieces (a Triton launch through
+JITFunction.run and through the compiled kernel's own launcher, torch._scaled_mm against torch.mm, small
+allocations, an autograd Function) and a cProfile of whole layer steps.
+
+    PYTHONPATH=$PWD python3 benchmarks/host_costs.py [--recipes fp8_tensor,int4,fp4_fast] [--out F.txt]
+
+Per-call figures are host time only: calls are queued without synchronizing, on tensors small enough that the
+GPU keeps up (the large GEMMs: 20 calls, fewer than the launch queue holds).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.linear import make_inputs  # noqa: E402
+from lpoptim.nn import LowBitLinear  # noqa: E402
+
+
+def per_call_us(fn, n=200) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) * 1e6 / n
+    torch.cuda.synchronize()
+    return us
+
+
+def primitive_costs() -> dict:
+    from lpoptim.kernels import linear_quant as lq
+    dev = "cuda"
+    small = torch.randn(64, 256, device=dev, dtype=torch.bfloat16)
+    amax = lq.finite_absmax(small)
+    rows = (torch.empty((64, 256), device=dev, dtype=torch.float8_e4m3fn), torch.empty((), device=dev))
+    cols = (torch.empty((256, 64), device=dev, dtype=torch.float8_e4m3fn), torch.empty((), device=dev))
+    out = {}
+    out["torch.empty"] = per_call_us(lambda: torch.empty((64, 256), device=dev, dtype=torch.float8_e4m3fn))
+    out["torch.zeros(())"] = per_call_us(lambda: torch.zeros((), device=dev, dtype=torch.int32))
+    out["finite_absmax (zeros + launch)"] = per_call_us(lambda: lq.finite_absmax(small))
+    out["quantize_tensor_rows_cols (wrapper)"] = per_call_us(
+        lambda: lq.quantize_tensor_rows_cols(small, "e4m3", "e4m3", 256, 64, amax))
+    tune = lq.TUNING["tensor"]
+    kw = dict(ROWS=True, **lq._grid_args("e4m3", "R_", rows[0]), COLS=True, **lq._grid_args("e4m3", "C_", cols[0]),
+              BLOCK_R=tune["block_r"], BLOCK_C=tune["block_c"], ON_GPU=True, num_warps=tune["num_warps"])
+    args = (small, amax, *rows, *cols, 64, 256, 64, 256, small.stride(0), small.stride(1))
+    grid = (2, 1)
+    ck = lq._quant_tensor_kernel[grid](*args, **kw)
+    out["JITFunction launch (kernel[grid](...))"] = per_call_us(lambda: lq._quant_tensor_kernel[grid](*args, **kw))
+    try:  # the compiled kernel's own launcher, skipping argument binding and the cache lookup
+        import triton
+        from triton.runtime import driver
+        dev_i = driver.active.get_current_device()
+        stream = driver.active.get_current_stream(dev_i)
+        consts = [v for k, v in kw.items() if k not in ("num_warps",)]
+        sig = list(lq._quant_tensor_kernel.signature.parameters)
+        full = list(args) + [kw[name] for name in sig[len(args):]]
+        del consts
+
+        def raw():
+            ck.run(2, 1, 1, stream, ck.function, ck.packed_metadata, None, None, None, *full)
+        raw()
+        out["CompiledKernel.run (all params)"] = per_call_us(raw)
+        out["triton"] = triton.__version__
+    except Exception as e:  # noqa: BLE001 - report whatever this Triton's launcher wants
+        out["CompiledKernel.run error"] = f"{type(e).__name__}: {e}"[:300]
+    try:
+        def raw_stream():
+            s = driver.active.get_current_stream(driver.active.get_current_device())
+            ck.run(2, 1, 1, s, ck.function, ck.packed_metadata, None, None, None, *full)
+        out["CompiledKernel.run + stream lookup"] = per_call_us(raw_stream)
+    except Exception as e:  # noqa: BLE001
+        out["stream lookup error"] = f"{type(e).__name__}: {e}"[:300]
+    a = torch.randn(16384, 4096, device=dev).to(torch.float8_e4m3fn)
+    b = torch.randn(4096, 4096, device=dev).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=dev)
+    out["_scaled_mm 16384x4096x4096 (20 calls)"] = per_call_us(
+        lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), n=20)
+    ab, bb = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    out["torch.mm bf16 same shape (20 calls)"] = per_call_us(lambda: ab @ bb.t(), n=20)
+    sa, sb = torch.ones((16, 1), device=dev), torch.ones((1, 16), device=dev)
+    a16, b16 = a[:16, :16].contiguous(), b[:16, :16].contiguous()
+    out["_scaled_mm 16x16x16"] = per_call_us(
+        lambda: torch._scaled_mm(a16, b16.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    out["_scaled_mm 16x16x16 row scales"] = per_call_us(
+        lambda: torch._scaled_mm(a16, b16.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
+
+    class Ident(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    xs = small.clone().requires_grad_()
+    out["autograd.Function.apply (identity)"] = per_call_us(lambda: Ident.apply(xs))
+    return out
+
+
+def profile_layer(name: str, k: int, n: int, tokens: int, top: int) -> str:
+    base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    layer = base if name == "bf16" else LowBitLinear.from_linear(base, name)
+    inputs = make_inputs(tokens, k, n, torch.bfloat16, "cuda")
+
+    def step(i):
+        x, gy = inputs[i % len(inputs)]
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        layer(x).backward(gy)
+
+    for i in range(5):
+        step(i)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")  # a step that waits for the GPU would hide in the enqueue time
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(0)
+    torch.cuda.set_sync_debug_mode(0)
+    syncs = sorted({str(w.message).splitlines()[0][:120] for w in caught if "synchroniz" in str(w.message)})
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(3):  # a few steps: the launch queue cannot be full yet
+        step(i)
+    host3 = (time.perf_counter() - t0) * 1e3 / 3
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(20):
+        step(i)
+    host = (time.perf_counter() - t0) * 1e3 / 20
+    torch.cuda.synchronize()
+    b2b = (time.perf_counter() - t0) * 1e3 / 20
+    pr = cProfile.Profile()
+    pr.enable()
+    for i in range(20):
+        step(i)
+    pr.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
+    return (f"=== {name} {k}->{n}: back to back {b2b:.3f} ms per step, host enqueue {host:.3f} ms per step "
+            f"(over 3 steps: {host3:.3f}); synchronizing calls in a step: {syncs or 'none'}\n"
+            + s.getvalue())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--recipes", default="bf16,fp8_tensor,int4,fp4_fast")
+    ap.add_argument("--shape", default="4096,4096")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import triton
+    lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}",
+             "per-call host time, us:"]
+    lines += [f"  {k:45s} {v:.1f}" if isinstance(v, float) else f"  {k:45s} {v}" for k, v in primitive_costs().items()]
+    k, n = (int(v) for v in args.shape.split(","))
+    for name in args.recipes.split(","):
+        lines.append(profile_layer(name, k, n, args.tokens, args.top))
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

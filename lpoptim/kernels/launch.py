@@ -1,0 +1,111 @@
+"""A leaner way to launch lpoptim's Triton kernels from eager code.
+
+``kernel[grid](*args, **constexprs)`` binds every argument, works out Triton's specialization and looks the compiled
+kernel up on each call: about 29 us of host time on an H100 host (triton 3.6), where the compiled kernel's own
+launcher takes about 7 (benchmarks/host_costs.py). An eager low-bit linear step makes seven such launches, and at
+4096 x 4096 its host work was most of the step. ``launcher(kernel)`` keeps, per specialization key of its own, the
+compiled kernel that the first ordinary launch returned, and calls its launcher directly afterwards.
+
+The key is at least as fine as Triton's own: per tensor its dtype and whether its address is 16-byte aligned, per
+integer whether it is 1, divisible by 16 and which width it needs, and the constexprs, warps and device; so a
+cached kernel never runs with arguments its compilation assumed otherwise. The interpreter, Triton's launch hooks
+(profilers) and anything this Triton's launcher does not take go through the ordinary launch.
+"""
+from __future__ import annotations
+
+import torch
+
+from .grid import interpreted
+
+
+def _spec(args) -> tuple:
+    """What Triton specializes the runtime arguments on (or finer): per tensor its dtype and 16-byte alignment, per
+    integer whether it is 1, divisible by 16 and fits 32 bits; bools and None as they are; other types by type."""
+    spec = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            spec.append((a.dtype, not a.data_ptr() & 15))
+        elif a is None or isinstance(a, bool):
+            spec.append(a)
+        elif isinstance(a, int):
+            spec.append((a == 1, not a & 15, -(1 << 31) <= a < (1 << 31)))
+        else:
+            spec.append(type(a))
+    return tuple(spec)
+
+
+class _Launcher:
+    def __init__(self, kernel):
+        self.kernel = kernel
+        params = getattr(kernel, "params", None)  # the interpreter's kernels have none: ordinary launches
+        self.n_runtime = sum(not p.is_constexpr for p in params or ())
+        # the fast path passes runtime arguments, then constexprs: they must come in that order in the signature
+        self.fast = bool(params) and all(p.is_constexpr for p in params[self.n_runtime:])
+        self.const_names = [p.name for p in params[self.n_runtime:]] if self.fast else []
+        self.defaults = {p.name: p._param.default for p in params[self.n_runtime:]} if self.fast else {}
+        self.cache: dict = {}
+
+    def __call__(self, grid, *args, num_warps: int = 4, **constexprs):
+        if not self.fast or interpreted() or len(args) != self.n_runtime or _hooked():
+            return self.kernel[grid](*args, num_warps=num_warps, **constexprs)
+        device = torch._C._cuda_getDevice()  # torch.cuda.current_device() without its Python checks
+        key = (device, num_warps, tuple(constexprs.items()), _spec(args))
+        hit = self.cache.get(key)
+        if hit is None:
+            return self._first(key, grid, args, num_warps, constexprs)
+        ck, consts = hit
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        ck.run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), ck.function, ck.packed_metadata,
+               None, None, None, *args, *consts)
+
+    def _first(self, key, grid, args, num_warps, constexprs):
+        ck = self.kernel[grid](*args, num_warps=num_warps, **constexprs)
+        if ck is not None and getattr(ck, "function", None) is not None:
+            consts = tuple(constexprs.get(n, self.defaults[n]) for n in self.const_names)
+            self.cache[key] = (ck, consts)
+        return ck
+
+
+def _runtime_knobs():
+    try:
+        from triton import knobs
+        return knobs.runtime
+    except (ImportError, AttributeError):  # a Triton without knobs: always its own launch path
+        return None
+
+
+_RUNTIME = _runtime_knobs()
+
+
+def _hooked() -> bool:
+    """Whether a launch hook is installed (a profiler such as proton): then every launch goes through Triton, which
+    calls it. Read per launch, since one can be installed at any time."""
+    if _RUNTIME is None:
+        return True
+    for hook in (_RUNTIME.launch_enter_hook, _RUNTIME.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):  # None or an empty HookChain (triton >= 3.5): none
+            return True
+    return False
+
+
+def cdiv(a: int, b: int) -> int:
+    """triton.cdiv without its cost: there it is a jit function, a few microseconds a call from Python."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """triton.next_power_of_2 (n >= 1), likewise a plain function."""
+    return 1 << (n - 1).bit_length()
+
+
+_LAUNCHERS: dict = {}
+
+
+def launcher(kernel) -> _Launcher:
+    """The cached launcher of a ``@triton.jit`` kernel: ``launcher(k)(grid, *runtime_args, num_warps=, **constexprs)``
+    does what ``k[grid](*runtime_args, num_warps=, **constexprs)`` does."""
+    found = _LAUNCHERS.get(kernel)
+    if found is None:
+        found = _LAUNCHERS[kernel] = _Launcher(kernel)
+    return found
