@@ -203,3 +203,18 @@ def test_fp4_fast_saves_the_same_operands_with_the_fused_maxima(monkeypatch, cas
         assert torch.equal(got.values.view(torch.uint8), want.values.view(torch.uint8))
         assert torch.equal(got.scale, want.scale)
     assert torch.equal(y.nan_to_num(7.0), ref_y.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("fmt,had", [("e4m3", None), ("e2m1", None), ("int4_sym", 32), ("int4_sym", 128)])
+@pytest.mark.parametrize("shape", [(37, 70), (5, 300), (50, 1000)])
+def test_whole_rows_kernel_matches_the_two_pass_kernel(monkeypatch, fmt, had, shape):
+    """Rows read once and held whole (_quant_whole_rows_kernel) give the two-pass kernel's codes, scales and
+    tensor maximum, for widths that are not powers of two (padded), with and without a Hadamard block."""
+    x = _x(*shape, False)
+    cols = -(-shape[1] // (had or 16)) * (had or 16)
+    bits = [torch.zeros((), dtype=torch.int32) for _ in range(2)]
+    whole = lq.quantize_rows(x, fmt, "row", had, cols, tensor_max=None if had else bits[0])
+    monkeypatch.setitem(lq.TUNING, "whole_rows", {**lq.TUNING["whole_rows"], "enabled": False})
+    two = lq.quantize_rows(x, fmt, "row", had, cols, tensor_max=None if had else bits[1])
+    assert torch.equal(whole[0].view(torch.uint8), two[0].view(torch.uint8)) and torch.equal(whole[1], two[1])
+    assert torch.equal(bits[0], bits[1])
