@@ -44,7 +44,7 @@ def main():
                     if elems is not None and elems < k:
                         continue
                     saved_whole = dict(lq.TUNING["whole_rows"])
-                    lq.TUNING["whole_rows"].update(enabled=elems is not None, **(
+                    lq.TUNING["whole_rows"].update(enabled=elems is not None, max_width=16384, hadamard=True, **(
                         dict(elems=elems, num_warps=nw) if elems else {}))
                     ms = back_to_back_ms(fn, 20)
                     lq.TUNING["whole_rows"] = saved_whole

@@ -165,6 +165,7 @@ def test_whole_rows_kernel_matches_the_two_pass_kernel_on_gpu(monkeypatch, fmt, 
     x[3, 5] = 200.0
     width = -(-cols // 128) * 128
     bits = [torch.zeros((), device="cuda", dtype=torch.int32) for _ in range(2)]
+    monkeypatch.setitem(lq.TUNING, "whole_rows", {**lq.TUNING["whole_rows"], "max_width": 16384, "hadamard": True})
     whole = lq.quantize_rows(x, fmt, "row", had, width, tensor_max=None if had else bits[0])
     monkeypatch.setitem(lq.TUNING, "whole_rows", {**lq.TUNING["whole_rows"], "enabled": False})
     two = lq.quantize_rows(x, fmt, "row", had, width, tensor_max=None if had else bits[1])

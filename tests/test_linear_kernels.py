@@ -213,6 +213,7 @@ def test_whole_rows_kernel_matches_the_two_pass_kernel(monkeypatch, fmt, had, sh
     x = _x(*shape, False)
     cols = -(-shape[1] // (had or 16)) * (had or 16)
     bits = [torch.zeros((), dtype=torch.int32) for _ in range(2)]
+    monkeypatch.setitem(lq.TUNING, "whole_rows", {**lq.TUNING["whole_rows"], "max_width": 16384, "hadamard": True})
     whole = lq.quantize_rows(x, fmt, "row", had, cols, tensor_max=None if had else bits[0])
     monkeypatch.setitem(lq.TUNING, "whole_rows", {**lq.TUNING["whole_rows"], "enabled": False})
     two = lq.quantize_rows(x, fmt, "row", had, cols, tensor_max=None if had else bits[1])

@@ -153,9 +153,12 @@ TUNING = {"rows": dict(block_r=16, block_c=256, num_warps=4), "from_max": dict(b
           "tensor": dict(block_r=32, block_c=256, num_warps=8),
           # with a block Hadamard (the tile's columns are one Hadamard block): rows per program for its tl.dot
           "hadamard": dict(block_r=64, num_warps=8),
-          # rows held whole (quantize_rows without column maxima, x's rows contiguous, at most elems wide padded to
-          # a power of two): one read of x instead of two; not yet swept
-          "whole_rows": dict(elems=16384, num_warps=8, enabled=True),
+          # rows held whole (quantize_rows without column maxima, x's rows contiguous, at most max_width wide padded
+          # to a power of two): one read of x instead of two. Swept (quant_tune --modes whole, docs/results/
+          # quant_tune_whole_rows_h100.txt) on 16384 x 4096 bf16: E2M1 0.091 ms against the two-pass kernel's 0.135,
+          # E4M3 0.081 against 0.128 (4096 elements, 8 warps); INT4 after a Hadamard of 128 no faster (0.143 against
+          # 0.146 at best), and 11008 wide (padded to 16384, one row a program) slower (0.49 against 0.33)
+          "whole_rows": dict(enabled=True, max_width=4096, elems=4096, num_warps=8, hadamard=False),
           # the finite absmax pass (per-tensor scales), its running maximum a whole tile: swept (quant_tune --modes
           # absmax, docs/results/quant_tune_absmax_h100.txt) 16 x 256 with 4 warps is within 3% of the best on both
           # shapes (2461 / 2787 GB/s on 16384 x 4096 / x 11008; best 2525 / 2894)
@@ -202,8 +205,9 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
         return out, scale
     had = bool(hadamard_block)
     width = next_power_of_2(max(cols, 16))
-    if (col_max is None and not from_max and x.stride(1) == 1 and width <= TUNING["whole_rows"]["elems"]
-            and TUNING["whole_rows"]["enabled"]):
+    whole = TUNING["whole_rows"]
+    if (whole["enabled"] and col_max is None and not from_max and x.stride(1) == 1 and width <= whole["max_width"]
+            and (not had or whole["hadamard"])):
         return _quantize_whole_rows(x, out, scale, fmt, hadamard_block, width, tensor_max)
     tune = TUNING["hadamard" if had else "from_max" if from_max else "rows"]
     if had and (hadamard_block > 128 or x.dtype != torch.bfloat16):  # swept for bf16 and 128 only: the matrix

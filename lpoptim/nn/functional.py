@@ -66,12 +66,12 @@ def _fp8_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, d
     gq = gt = None
     if need_dx and need_dw:  # dy and dyᵀ: two passes over dy, not three (or four, per tensor)
         gq, gt = quantize_operand_and_transpose(g2, r.grad_fmt, r.grad_fmt, granularity=r.backward_granularity)
+    if need_dw:  # first: its operands are ready, so the GPU starts a GEMM while the host prepares Wᵀ
+        gt = gt or quantize_operand(g2.t(), r.grad_fmt, r.backward_granularity)  # (N, M padded like xt)
+        dw = gemm(gt, xt, dw_dtype)
     if need_dx:
         gq = gq or quantize_operand(g2, r.grad_fmt, r.backward_granularity)    # (M, N)
         dx = gemm(gq, _quantize_wt(w, r, w_stat), dx_dtype)
-    if need_dw:
-        gt = gt or quantize_operand(g2.t(), r.grad_fmt, r.backward_granularity)  # (N, M padded like xt)
-        dw = gemm(gt, xt, dw_dtype)
     return dx, dw
 
 
