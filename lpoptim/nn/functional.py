@@ -55,10 +55,12 @@ def _fp4_forward_and_xt(x2, w, r: Recipe, out_dtype):
     Wᵀ needs an absmax pass of its own. (None, None, None) for other backwards."""
     if r.backward != "fp8" or r.backward_granularity != "tensor":
         return None, None, None
-    xq, x_amax = quantize_operand_keep_tensor_max(x2, r.fwd_fmt)
+    # the order the GPU gets them: the small weight first, then x, then the GEMM before xᵀ (which only the
+    # backward reads), so the GEMM waits on no host work that it does not need
     wq, w_amax = quantize_operand_keep_tensor_max(w, r.fwd_fmt)
-    xt = quantize_operand(x2.t(), r.bwd_fmt, "tensor", amax=x_amax)
-    return gemm(xq, wq, out_dtype), xt, w_amax
+    xq, x_amax = quantize_operand_keep_tensor_max(x2, r.fwd_fmt)
+    y = gemm(xq, wq, out_dtype)
+    return y, quantize_operand(x2.t(), r.bwd_fmt, "tensor", amax=x_amax), w_amax
 
 
 def _fp8_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, dx_dtype, dw_dtype, w_stat=None):
@@ -191,13 +193,14 @@ class Fp8LinearFunction(_LowBitLinearFunction):
     def forward_gemm_and_xt(x2, w, r, out_dtype):
         if r.backward == "int4split" or r.backward_granularity != r.granularity:
             return None, None, None
-        # x for the forward and xᵀ for dW, in two passes over x
-        xq, xt = quantize_operand_and_transpose(x2, r.fwd_fmt, r.bwd_fmt, granularity=r.granularity)
+        # the small weight first (its kernels are short: the host issues x's behind them), then x for the forward
+        # and xᵀ for dW, in two passes over x
         if r.granularity == "row":
             wq, w_stat = quantize_operand_keep_col_max(w, r.fwd_fmt)  # W's columns: one pass in backward
         else:  # W's absmax, taken once: its transposed copy in the backward has the same scale
             w_stat = tensor_amax(w)
             wq = quantize_operand(w, r.fwd_fmt, "tensor", amax=w_stat)
+        xq, xt = quantize_operand_and_transpose(x2, r.fwd_fmt, r.bwd_fmt, granularity=r.granularity)
         return gemm(xq, wq, out_dtype, r.fast_accum), xt, w_stat
 
 
@@ -260,7 +263,8 @@ class Int4LinearFunction(_LowBitLinearFunction):
     @staticmethod
     def forward_gemm(x2, w, r, out_dtype):
         b = pick_block(w.shape[1], r.hadamard_block)
-        return gemm(quantize_operand(x2, r.fwd_fmt, "row", b), quantize_operand(w, r.fwd_fmt, "row", b), out_dtype)
+        wq = quantize_operand(w, r.fwd_fmt, "row", b)  # the small weight first: the host issues x's behind it
+        return gemm(quantize_operand(x2, r.fwd_fmt, "row", b), wq, out_dtype)
 
 
 FUNCTIONS = {"e4m3": Fp8LinearFunction, "e2m1": Fp4LinearFunction, "int4_sym": Int4LinearFunction,
