@@ -10,9 +10,6 @@ GPU keeps up (the large GEMMs: 20 calls, fewer than the launch queue holds).
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 import sys
 import time
 from pathlib import Path
@@ -20,7 +17,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.linear import make_inputs  # noqa: E402
+from benchmarks.linear import layer_step, make_inputs  # noqa: E402
+from benchmarks.timing import enqueue_ms, host_profile  # noqa: E402
 from lpoptim.nn import LowBitLinear  # noqa: E402
 
 
@@ -113,12 +111,7 @@ def profile_layer(name: str, k: int, n: int, tokens: int, top: int) -> str:
     layer = base if name == "bf16" else LowBitLinear.from_linear(base, name)
     inputs = make_inputs(tokens, k, n, torch.bfloat16, "cuda")
 
-    def step(i):
-        x, gy = inputs[i % len(inputs)]
-        x.grad = None
-        layer.zero_grad(set_to_none=True)
-        layer(x).backward(gy)
-
+    step = layer_step(layer, inputs)
     for i in range(5):
         step(i)
     torch.cuda.synchronize()
@@ -129,29 +122,11 @@ def profile_layer(name: str, k: int, n: int, tokens: int, top: int) -> str:
         step(0)
     torch.cuda.set_sync_debug_mode(0)
     syncs = sorted({str(w.message).splitlines()[0][:120] for w in caught if "synchroniz" in str(w.message)})
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for i in range(3):  # a few steps: the launch queue cannot be full yet
-        step(i)
-    host3 = (time.perf_counter() - t0) * 1e3 / 3
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for i in range(20):
-        step(i)
-    host = (time.perf_counter() - t0) * 1e3 / 20
-    torch.cuda.synchronize()
-    b2b = (time.perf_counter() - t0) * 1e3 / 20
-    pr = cProfile.Profile()
-    pr.enable()
-    for i in range(20):
-        step(i)
-    pr.disable()
-    torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
+    host3 = enqueue_ms(step, 3)[0]  # a few steps: the launch queue cannot be full yet
+    host, b2b = enqueue_ms(step, 20)
     return (f"=== {name} {k}->{n}: back to back {b2b:.3f} ms per step, host enqueue {host:.3f} ms per step "
             f"(over 3 steps: {host3:.3f}); synchronizing calls in a step: {syncs or 'none'}\n"
-            + s.getvalue())
+            + host_profile(step, 20, top))
 
 
 def main():

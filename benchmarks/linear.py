@@ -60,16 +60,24 @@ def fwd_bwd_ms(layer, inputs, warmup, iters, cuda) -> tuple[float, float | None]
     first kernels; ms per step of ``iters`` steps queued back to back, as a training loop runs them, None on the
     CPU)."""
     state = {"i": 0}
+    run = layer_step(layer, inputs)
 
     def step():
-        x, gy = inputs[state["i"] % len(inputs)]
         state["i"] += 1
-        x.grad = None
-        layer.zero_grad(set_to_none=True)
-        layer(x).backward(gy)
+        run(state["i"])
 
     alone = timer(step, warmup, iters, cuda)
     return alone, back_to_back_ms(step, iters) if cuda else None
+
+
+def layer_step(layer, inputs):
+    """step(i): forward and backward of ``layer`` on the i-th (x, dy) pair of ``inputs`` (rotated), grads cleared."""
+    def step(i):
+        x, gy = inputs[i % len(inputs)]
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        layer(x).backward(gy)
+    return step
 
 
 def torchao_float8(base: nn.Linear, recipe: str):

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.linear import make_inputs  # noqa: E402
-from benchmarks.timing import profile_steps  # noqa: E402
+from benchmarks.linear import layer_step, make_inputs  # noqa: E402
+from benchmarks.timing import enqueue_ms, host_profile, profile_steps  # noqa: E402
 from lpoptim.nn import LowBitLinear  # noqa: E402
 
 
@@ -38,33 +37,14 @@ def main():
         layer = base if name == "bf16" else LowBitLinear.from_linear(base, name)
         layer = torch.compile(layer) if args.compile else layer
 
-        def step(i):
-            x, gy = inputs[i % len(inputs)]
-            x.grad = None
-            layer.zero_grad(set_to_none=True)
-            layer(x).backward(gy)
-
+        step = layer_step(layer, inputs)
         for i in range(5):
             step(i)
-        torch.cuda.synchronize()
         # back to back, no sync between steps: the host's enqueue time per step, and the time per step once the
         # GPU is the limit (or the host, where enqueueing is slower than the kernels)
-        t0 = time.perf_counter()
-        for i in range(20):
-            step(i)
-        host = (time.perf_counter() - t0) * 1e3 / 20
-        torch.cuda.synchronize()
-        b2b = (time.perf_counter() - t0) * 1e3 / 20
+        host, b2b = enqueue_ms(step, 20)
         if args.host:
-            import cProfile
-            import pstats
-            pr = cProfile.Profile()
-            pr.enable()
-            for i in range(20):
-                step(i)
-            pr.disable()
-            torch.cuda.synchronize()
-            pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+            print(host_profile(step))
         wall, gpu, ev = profile_steps(step, args.steps)
         print(f"=== {name}{' compiled' if args.compile else ''} {k}->{n}: {wall:.3f} ms wall per step (profiled), "
               f"{gpu:.3f} ms of GPU kernels; unprofiled back to back: {b2b:.3f} ms per step, of which "
