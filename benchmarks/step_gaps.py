@@ -1,0 +1,67 @@
+"""Where a synchronized low-bit linear step leaves the GPU idle: one step after a synchronize, traced by
+torch.profiler, its kernels in GPU order with the idle time before each (host work the GPU waited on).
+
+    PYTHONPATH=$PWD python3 benchmarks/step_gaps.py [--recipes fp8_tensor,fp4_fast] [--shape 4096,4096]
+
+The profiler slows the host (its gaps are larger than unprofiled ones); where they fall is what it shows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.linear import layer_step, make_inputs  # noqa: E402
+from lpoptim.nn import LowBitLinear  # noqa: E402
+
+
+def kernel_gaps(step, steps: int = 3) -> list[list[tuple[str, float, float]]]:
+    """Per traced step: (kernel name, idle µs before it, its µs), in GPU order."""
+    from torch.profiler import ProfilerActivity, profile
+    out = []
+    for i in range(steps):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step(i)
+            torch.cuda.synchronize()
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            prof.export_chrome_trace(f.name)
+            events = json.load(open(f.name))["traceEvents"]
+        kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset")), key=lambda e: e["ts"])
+        rows, end = [], None
+        for e in kernels:
+            rows.append((e["name"][:48], 0.0 if end is None else e["ts"] - end, e["dur"]))
+            end = e["ts"] + e["dur"]
+        out.append(rows)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--recipes", default="fp8_tensor,fp4_fast,int4")
+    ap.add_argument("--shape", default="4096,4096")
+    ap.add_argument("--tokens", type=int, default=16384)
+    args = ap.parse_args()
+    k, n = (int(v) for v in args.shape.split(","))
+    base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    inputs = make_inputs(args.tokens, k, n, torch.bfloat16, "cuda")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    for name in args.recipes.split(","):
+        layer = base if name == "bf16" else LowBitLinear.from_linear(base, name)
+        step = layer_step(layer, inputs)
+        for i in range(5):
+            step(i)
+        rows = kernel_gaps(step)[-1]
+        busy, idle = sum(r[2] for r in rows), sum(r[1] for r in rows)
+        print(f"=== {name} {k}->{n}: kernels {busy:.0f} us, idle between them {idle:.0f} us")
+        for kname, gap, dur in rows:
+            print(f"  idle {gap:7.1f} us before {dur:7.1f} us  {kname}")
+
+
+if __name__ == "__main__":
+    main()
