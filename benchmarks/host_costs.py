@@ -59,10 +59,8 @@ def primitive_costs() -> dict:
         from triton.runtime import driver
         dev_i = driver.active.get_current_device()
         stream = driver.active.get_current_stream(dev_i)
-        consts = [v for k, v in kw.items() if k not in ("num_warps",)]
         sig = list(lq._quant_tensor_kernel.signature.parameters)
         full = list(args) + [kw[name] for name in sig[len(args):]]
-        del consts
 
         def raw():
             ck.run(2, 1, 1, stream, ck.function, ck.packed_metadata, None, None, None, *full)

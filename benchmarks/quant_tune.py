@@ -23,8 +23,8 @@ from lpoptim.kernels import linear_quant as lq  # noqa: E402
 # (rows per program, columns per tile) swept per mode
 TILES = {"rows": ((16, 32, 64), (128, 256, 512)), "from_max": ((16, 32, 64), (128, 256, 512)),
          "tensor": ((32, 64, 128), (64, 128, 256)),
-         "hadamard": ((16, 32, 64, 128), (128,)),
-         "absmax": ((8, 16, 32, 64), (128, 256, 512, 1024))}  # INT4 after a Hadamard of 128: the tile's width is the block
+         "hadamard": ((16, 32, 64, 128), (128,)),  # INT4 after a Hadamard of 128: the tile's width is the block
+         "absmax": ((8, 16, 32, 64), (128, 256, 512, 1024))}
 
 
 def main():
@@ -56,6 +56,7 @@ def main():
                 if br * bc // (32 * nw) > 128:  # fp32 tile elements per thread: beyond this it spills
                     continue
                 lq.TUNING[mode] = dict(block_r=br, block_c=bc, num_warps=nw)
+                lq.TUNING["whole_rows"] = {**saved["whole_rows"], "enabled": False}  # the two-pass kernel's tiles
                 nbytes = x.numel() * (4 if mode == "tensor" else 2 if mode == "absmax" else 3)
                 if mode == "absmax":  # a short kernel: 20 calls back to back between two events, not one alone
                     ms = back_to_back_ms(lambda: lq.finite_absmax(x), 20)

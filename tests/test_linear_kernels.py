@@ -218,4 +218,31 @@ def test_whole_rows_kernel_matches_the_two_pass_kernel(monkeypatch, fmt, had, sh
     monkeypatch.setitem(lq.TUNING, "whole_rows", {**lq.TUNING["whole_rows"], "enabled": False})
     two = lq.quantize_rows(x, fmt, "row", had, cols, tensor_max=None if had else bits[1])
     assert torch.equal(whole[0].view(torch.uint8), two[0].view(torch.uint8)) and torch.equal(whole[1], two[1])
-    assert torch.equal(bits[0], bits[1])
+    if not had:
+        assert torch.equal(bits[0], bits[1]) and bits[0].view(torch.float32) == 150.0  # the planted outlier
+
+
+def test_whole_rows_kernel_on_row_strided_bf16_views(monkeypatch):
+    """A view whose rows are not packed (stride(0) > width) and that starts off 16-byte alignment, in bf16."""
+    big = _x(24, 200, False, torch.bfloat16)
+    x = big[:, 3:131]
+    assert x.stride() == (200, 1)
+    whole = lq.quantize_rows(x, "e2m1", "row", None, 128)
+    monkeypatch.setitem(lq.TUNING, "whole_rows", {**lq.TUNING["whole_rows"], "enabled": False})
+    two = lq.quantize_rows(x, "e2m1", "row", None, 128)
+    assert torch.equal(whole[0].view(torch.uint8), two[0].view(torch.uint8)) and torch.equal(whole[1], two[1])
+    ref = quantize_operand_ref(x, "e2m1", "row", None, 128)
+    assert torch.equal(whole[0].float(), ref.values.float()) and torch.equal(whole[1], ref.scale)
+
+
+@pytest.mark.parametrize("width,whole", [(4096, True), (4097, False)])
+def test_whole_rows_kernel_is_taken_up_to_its_width(monkeypatch, width, whole):
+    """TUNING's max_width (4096 padded columns) decides; cols is checked against x's width."""
+    taken = []
+    real = lq._quantize_whole_rows
+    monkeypatch.setattr(lq, "_quantize_whole_rows", lambda *a: (taken.append(1), real(*a))[1])
+    x = torch.randn(2, width - 16 if whole else width)
+    lq.quantize_rows(x, "e4m3", "row", None, -(-x.shape[1] // 16) * 16)
+    assert bool(taken) == whole
+    with pytest.raises(ValueError, match="padded, never dropped"):
+        lq.quantize_rows(x, "e4m3", "row", None, 16)

@@ -18,9 +18,10 @@ import torch
 from .grid import interpreted
 
 
-def _spec(args) -> tuple:
+def _spec(args) -> tuple | None:
     """What Triton specializes the runtime arguments on (or finer): per tensor its dtype and 16-byte alignment, per
-    integer whether it is 1, divisible by 16 and fits 32 bits; bools and None as they are; other types by type."""
+    integer whether it is 1, divisible by 16, and which of int32 / int64 / uint64 it needs; bools and None as they
+    are; floats by type. None for any other argument (a tuple, a tensor descriptor): Triton's own launch then."""
     spec = []
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -28,9 +29,11 @@ def _spec(args) -> tuple:
         elif a is None or isinstance(a, bool):
             spec.append(a)
         elif isinstance(a, int):
-            spec.append((a == 1, not a & 15, -(1 << 31) <= a < (1 << 31)))
+            spec.append((a == 1, not a & 15, -(1 << 31) <= a < (1 << 31), a < (1 << 63)))
+        elif isinstance(a, float):
+            spec.append(float)
         else:
-            spec.append(type(a))
+            return None
     return tuple(spec)
 
 
@@ -46,10 +49,11 @@ class _Launcher:
         self.cache: dict = {}
 
     def __call__(self, grid, *args, num_warps: int = 4, **constexprs):
-        if not self.fast or interpreted() or len(args) != self.n_runtime or _hooked():
+        spec = _spec(args) if self.fast and not interpreted() and len(args) == self.n_runtime else None
+        if spec is None or _triton_path_needed(self.kernel):
             return self.kernel[grid](*args, num_warps=num_warps, **constexprs)
         device = torch._C._cuda_getDevice()  # torch.cuda.current_device() without its Python checks
-        key = (device, num_warps, tuple(constexprs.items()), _spec(args))
+        key = (device, num_warps, tuple(constexprs.items()), spec)
         hit = self.cache.get(key)
         if hit is None:
             return self._first(key, grid, args, num_warps, constexprs)
@@ -58,6 +62,7 @@ class _Launcher:
         g2 = grid[2] if len(grid) > 2 else 1
         ck.run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), ck.function, ck.packed_metadata,
                None, None, None, *args, *consts)
+        return ck
 
     def _first(self, key, grid, args, num_warps, constexprs):
         ck = self.kernel[grid](*args, num_warps=num_warps, **constexprs)
@@ -67,26 +72,33 @@ class _Launcher:
         return ck
 
 
-def _runtime_knobs():
+def _knobs():
+    """Triton's runtime and compilation settings (None, None for a Triton without knobs: its own path always)."""
     try:
         from triton import knobs
-        return knobs.runtime
-    except (ImportError, AttributeError):  # a Triton without knobs: always its own launch path
-        return None
+        return knobs.runtime, getattr(knobs, "compilation", None)
+    except (ImportError, AttributeError):
+        return None, None
 
 
-_RUNTIME = _runtime_knobs()
+_RUNTIME, _COMPILATION = _knobs()
 
 
-def _hooked() -> bool:
-    """Whether a launch hook is installed (a profiler such as proton): then every launch goes through Triton, which
-    calls it. Read per launch, since one can be installed at any time."""
+def _triton_path_needed(kernel) -> bool:
+    """Whether this launch must go through Triton's own path: a launch hook is installed (a profiler such as proton;
+    an empty HookChain, triton >= 3.5, is none), or something Triton reads per launch and this cache's key does not
+    hold is set (debug mode, instrumentation, a stage-inspection hook, the kernel's pre-run hooks). Read per launch:
+    any of them can be set at any time."""
     if _RUNTIME is None:
         return True
     for hook in (_RUNTIME.launch_enter_hook, _RUNTIME.launch_exit_hook):
-        if hook is not None and getattr(hook, "calls", True):  # None or an empty HookChain (triton >= 3.5): none
+        if hook is not None and getattr(hook, "calls", True):
             return True
-    return False
+    if getattr(_RUNTIME, "debug", False) or getattr(kernel, "debug", False) or getattr(kernel, "pre_run_hooks", None):
+        return True
+    if getattr(_RUNTIME, "add_stages_inspection_hook", None) is not None:
+        return True
+    return bool(getattr(_COMPILATION, "instrumentation_mode", None))
 
 
 def cdiv(a: int, b: int) -> int:

@@ -191,6 +191,8 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
     fmt = get_format(fmt)
     R, C = x.shape
     cols = C if cols is None else cols
+    if cols < C:
+        raise ValueError(f"cols ({cols}) must be at least x's width ({C}): columns are padded, never dropped")
     if hadamard_block and cols % hadamard_block:
         raise ValueError(f"padded width {cols} is not a multiple of the Hadamard block {hadamard_block}")
     if granularity == "tensor":
@@ -270,7 +272,7 @@ def _quantize_whole_rows(x, out, scale, fmt, hadamard_block, width, tensor_max):
     R, C = x.shape
     tune = TUNING["whole_rows"]
     had = bool(hadamard_block)
-    rows = max(1, tune["elems"] // width)
+    rows = 1 << max(0, (tune["elems"] // width).bit_length() - 1)  # a power of two (a tl.arange length)
     if had:  # tl.dot wants at least 16 blocks a program
         rows = max(rows, 16 * hadamard_block // width)
     h = hadamard_pm1(hadamard_block, x.device) if had else scale  # dummy pointer when unused

@@ -71,6 +71,7 @@ def _fp8_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, d
     if need_dw:  # first: its operands are ready, so the GPU starts a GEMM while the host prepares Wᵀ
         gt = gt or quantize_operand(g2.t(), r.grad_fmt, r.backward_granularity)  # (N, M padded like xt)
         dw = gemm(gt, xt, dw_dtype)
+        gt = None  # freed before Wᵀ and dx are made: the peak stays below what it was with dx first
     if need_dx:
         gq = gq or quantize_operand(g2, r.grad_fmt, r.backward_granularity)    # (M, N)
         dx = gemm(gq, _quantize_wt(w, r, w_stat), dx_dtype)
