@@ -73,7 +73,8 @@ class _Launcher:
 
 
 def _knobs():
-    """Triton's runtime and compilation settings (None, None for a Triton without knobs: its own path always)."""
+    """Triton's runtime and compilation settings; (None, None) for a Triton without knobs (before 3.3), whose
+    launchers also take the runtime arguments alone, not every parameter as here: its own path always then."""
     try:
         from triton import knobs
         return knobs.runtime, getattr(knobs, "compilation", None)
