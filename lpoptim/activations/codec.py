@@ -1,8 +1,11 @@
-"""Packing one saved tensor into FP8 codes plus fp32 scales, and unpacking it.
+"""Packing one saved tensor into FP8 codes plus scales, and unpacking it.
 
-The numbers are ``lpoptim.quant.quantize``'s (absmax scaling, round to nearest even onto the E4M3 grid): on
-the CPU that function is called directly; on CUDA the fused Triton kernels in ``lpoptim/kernels/act_quant.py``
-compute the same bits in one pass. ``LPOPTIM_ACT_BACKEND=torch`` forces the reference everywhere.
+Groups of E4M3 that tile the rows (a power-of-two size dividing the last dim: the default 16 on a transformer's
+widths) take power-of-two scales held as one byte each (encode_pow2 / decode_pow2, which the compiled graphs'
+packing uses too). Other cases keep fp32 scales with ``lpoptim.quant.quantize``'s numbers (absmax scaling, round to
+nearest even onto the E4M3 grid). On the CPU the torch references run; on CUDA fused Triton kernels in
+``lpoptim/kernels/act_quant.py`` compute the same bits in one pass. ``LPOPTIM_ACT_BACKEND=torch`` forces the
+references everywhere.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..formats import E4M3, FloatFormat
-from ..quant import Quantized, absmax_scale, quantize, rows_of
+from ..quant import Quantized, absmax_scale, finite_absmax, pow2_block_exponent, quantize, rows_of, to_groups
 
 COMPRESSIBLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -42,10 +45,12 @@ class ComputedOnce:
 
 @dataclass
 class PackedActivation(ComputedOnce):
-    """A saved tensor held as FP8 codes (``codes``: the fp8 dtype, same shape) and fp32 scales."""
+    """A saved tensor held as FP8 codes (``codes``: the fp8 dtype, same shape) and its scales."""
 
     codes: torch.Tensor
-    scale: torch.Tensor  # tensor: (1,); row: (R,); group: (R, ceil(N / group_size))
+    # fp32 scales: tensor (1,), row (R,), group (R, ceil(N / group_size)); or, for groups that pow2_groups accepts,
+    # uint8 biased exponents of power-of-two scales (R, N / group_size)
+    scale: torch.Tensor
     granularity: str
     group_size: int
     dtype: torch.dtype  # the original dtype, restored on unpack
@@ -75,7 +80,9 @@ class PackedActivation(ComputedOnce):
 
     def decode(self) -> torch.Tensor:
         """The tensor's value (dequantized, in its dtype and strides), computed afresh."""
-        if _use_triton(self.codes, self.fmt):
+        if self.scale.dtype == torch.uint8:  # power-of-two scales as exponent bytes (pow2_groups)
+            out = decode_pow2(self.codes, self.scale, self.dtype, kernel=_use_triton(self.codes, self.fmt))
+        elif _use_triton(self.codes, self.fmt):
             out = _kernels().dequantize(self.codes.view(torch.uint8), self.scale, self.granularity,
                                        self.group_size, self.dtype)
         else:
@@ -154,12 +161,62 @@ def _use_triton(t: torch.Tensor, fmt: FloatFormat) -> bool:
     return t.is_cuda and fmt.dtype is torch.float8_e4m3fn and not _FORCE_TORCH
 
 
-def packed_nbytes(t: torch.Tensor, granularity: str, group_size: int) -> int:
+# ---- power-of-two scales held as one byte (the biased exponent, as E8M0) -----------------------------------------
+
+def pow2_groups(n: int, group_size: int, fmt: FloatFormat) -> bool:
+    """Whether groups of ``group_size`` along a last dim of ``n`` take power-of-two scales of one byte: E4M3, a
+    power-of-two group that tiles the row exactly. For groups of 16 an fp32 scale costs a quarter of the codes' bytes,
+    a byte a sixteenth; a power of two leaves E4M3's relative precision as it is (only where its subnormals begin
+    moves, by less than a binade), and dividing by it is exact, so the kernels multiply instead of dividing."""
+    return fmt.dtype is torch.float8_e4m3fn and n % group_size == 0 and not group_size & (group_size - 1)
+
+
+def _pow2(biased: torch.Tensor) -> torch.Tensor:
+    """2^(biased - 127) in fp32 for int32 ``biased`` in 1..254: the value with that exponent field."""
+    return (biased << 23).view(torch.float32)
+
+
+def encode_pow2(t: torch.Tensor, group: int | None, fmt: FloatFormat = E4M3, kernel: bool = True):
+    """``t`` -> (codes of t's shape in fmt's dtype, uint8 biased exponents (rows, groups per row)): one power-of-two
+    scale per run of ``group`` elements along the last dim (the last dim's length: per row; None: one for the
+    tensor). With ``kernel``, E4M3 groups on CUDA that pow2_groups accepts take kernels/act_quant.py's
+    quantize_groups_pow2, the same bits in one pass."""
+    n = t.shape[-1] if t.dim() else 1
+    if kernel and group is not None and t.is_cuda and pow2_groups(n, group, fmt):
+        from ..kernels.act_quant import quantize_groups_pow2
+        return quantize_groups_pow2(t.detach().contiguous(), group)
+    from ..nn.operands import round_for_cast
+    x = t.detach().float().reshape(-1, n) if t.dim() else t.detach().float().reshape(1, 1)
+    if group is None:  # the whole tensor, one group
+        x = x.reshape(1, -1)
+    g = to_groups(x, x.shape[-1] if group is None else group)
+    e = pow2_block_exponent(finite_absmax(g, dim=-1), fmt.max, -126, 126)  # (rows, groups per row)
+    codes = round_for_cast(g * _pow2(127 - e).unsqueeze(-1), fmt).to(fmt.dtype).reshape(t.shape)
+    return codes, (e + 127).to(torch.uint8)
+
+
+def decode_pow2(codes: torch.Tensor, exps: torch.Tensor, dtype: torch.dtype, kernel: bool = True) -> torch.Tensor:
+    """encode_pow2's inverse, in ``dtype`` (clamped to its range: a power-of-two scale can round a group's largest
+    value up past it). With ``kernel``, E4M3 on CUDA takes dequantize_groups_pow2."""
+    if kernel and codes.is_cuda and codes.dtype == torch.float8_e4m3fn:
+        from ..kernels.act_quant import dequantize_groups_pow2
+        return dequantize_groups_pow2(codes.contiguous(), exps.contiguous(), dtype)
+    # groups tile rows exactly: the k-th group of the flattened codes has the k-th scale, an index a shift computes
+    # for groups (Inductor's (row, col) form would divide by the row length for every element)
+    g = codes.numel() // exps.numel()
+    v = codes.float().reshape(-1, g) * _pow2(exps.reshape(-1).int()).unsqueeze(-1)
+    top = torch.finfo(dtype).max
+    return v.clamp(-top, top).reshape(codes.shape).to(dtype)
+
+
+def packed_nbytes(t: torch.Tensor, granularity: str, group_size: int, fmt: FloatFormat = E4M3) -> int:
     """Bytes a tensor would take packed (codes + scales), without packing it. (Called for every saved tensor, so
     without a table built per call.)"""
     r, n = rows_of(t.shape)
     if granularity == "row":
         scales = r
+    elif granularity == "group" and pow2_groups(n, group_size, fmt):
+        return t.numel() + r * (n // group_size)
     elif granularity == "group":
         scales = r * -(-n // group_size)
     elif granularity == "tensor":
@@ -178,7 +235,9 @@ def pack(t: torch.Tensor, granularity: str, group_size: int = 16, fmt: FloatForm
     rows = None if x.is_contiguous() else storage_rows(x)  # (the test is free; a copy is not)
     if rows is not None:
         x = rows
-    if _use_triton(x, fmt):
+    if granularity == "group" and pow2_groups(x.shape[-1] if x.dim() else 1, group_size, fmt):
+        codes, scale = encode_pow2(x, group_size, fmt, kernel=_use_triton(x, fmt))
+    elif _use_triton(x, fmt):
         act_quant = _kernels()
         if not x.is_contiguous():
             x = x.contiguous()

@@ -39,8 +39,7 @@ import threading
 
 import torch
 
-from ..nn.operands import round_for_cast
-from ..quant import finite_absmax, pow2_block_exponent, to_groups
+from .codec import decode_pow2, encode_pow2
 from .stats import SavedRecord
 
 _LOCAL = threading.local()  # the PackContexts entered on this thread, innermost last
@@ -165,23 +164,10 @@ def pack_in_graph(t: torch.Tensor, info: dict, policy, records: dict | None):
     if gran == "group" and (n % policy.group_size or isinstance(t.shape[-1], torch.SymInt)):
         gran = "row"  # groups must tile the last dim exactly here (no padding inside a graph)
     fmt = policy.fmt
-    # One power-of-two scale per group, row or tensor, held as a byte (its biased exponent, as E8M0): for groups of
-    # 16 fp32 scales would cost a quarter of the codes' bytes, a byte a sixteenth; a power of two leaves E4M3's
-    # relative precision as it is (only where its subnormals begin moves, by less than a binade).
-    if gran == "group" and t.is_cuda and fmt.dtype == torch.float8_e4m3fn and not policy.group_size & (
-            policy.group_size - 1):
-        # one kernel of ours (kernels/act_quant.py), the same bits: Inductor's kernel for these torch ops took
-        # twice as long (H100, docs/activations.md)
-        from ..kernels.act_quant import quantize_groups_pow2
-        codes, scale = quantize_groups_pow2(t.detach().contiguous(), policy.group_size)
-    else:  # a row is one group of its length, the tensor one group of everything
-        x = t.detach().float().reshape(-1, t.shape[-1]) if t.dim() else t.detach().float().reshape(1, 1)
-        if gran == "tensor":
-            x = x.reshape(1, -1)
-        g = to_groups(x, policy.group_size if gran == "group" else x.shape[-1])
-        e = pow2_block_exponent(finite_absmax(g, dim=-1), fmt.max, -126, 126)  # (rows, groups per row)
-        codes = round_for_cast(g * _pow2(127 - e).unsqueeze(-1), fmt).to(fmt.dtype).reshape(t.shape)
-        scale = (e + 127).to(torch.uint8)
+    # one power-of-two scale per group, row or tensor, held as a byte (codec.encode_pow2); groups on CUDA through
+    # our kernel: Inductor's kernel for the same torch ops took twice as long (H100, docs/activations.md)
+    group = policy.group_size if gran == "group" else t.shape[-1] if gran == "row" and t.dim() else None
+    codes, scale = encode_pow2(t, group, fmt, kernel=gran == "group")
     _record(records, info, f"fp8_{gran}", producer, t, numel * dtype.itemsize,
             numel + _hint(scale.numel()) * scale.element_size())
     return codes, scale, gran, dtype
@@ -201,26 +187,12 @@ def _record(records: dict | None, info, kind, producer, t, original, stored):
             kind, producer, tuple(_hint(s) for s in t.shape), str(t.dtype).replace("torch.", ""), original, stored)
 
 
-def _pow2(biased: torch.Tensor) -> torch.Tensor:
-    """2^(biased - 127) in fp32 for int32 ``biased`` in 1..254: the value with that exponent field."""
-    return (biased << 23).view(torch.float32)
-
-
 def unpack_in_graph(packed) -> torch.Tensor:
     codes, scale, gran, dtype = packed
-    shape = codes.shape
-    if gran == "group" and codes.is_cuda and codes.dtype == torch.float8_e4m3fn:
-        # our kernel (the same values), Inductor's consumers then read the decoded tensor: the decoding fused into
-        # them made their reductions 2.4x slower (per-element exponent gathers with div/mod index arithmetic; a
-        # Llama block on an H100, docs/activations.md)
-        from ..kernels.act_quant import dequantize_groups_pow2
-        return dequantize_groups_pow2(codes.contiguous(), scale.contiguous(), dtype)
-    # groups tile rows exactly: the k-th group of the flattened codes has the k-th scale, an index a shift computes
-    # for groups (Inductor's (row, col) form would divide by the row length for every element)
-    g = codes.numel() // scale.numel()
-    v = codes.float().reshape(-1, g) * _pow2(scale.reshape(-1).int()).unsqueeze(-1)
-    top = torch.finfo(dtype).max  # a power-of-two scale can round a group's largest value up past the dtype's range
-    return v.clamp(-top, top).reshape(shape).to(dtype)
+    # groups through our kernel; Inductor's consumers then read the decoded tensor: the decoding fused into them
+    # made their reductions 2.4x slower (per-element exponent gathers with div/mod index arithmetic; a Llama block
+    # on an H100, docs/activations.md)
+    return decode_pow2(codes, scale, dtype, kernel=gran == "group")
 
 
 # ---- the hooks ---------------------------------------------------------------------------------------------------
