@@ -578,3 +578,29 @@ def test_group_decode_with_a_last_dim_not_a_multiple_of_the_group(device):
     out = pack(t, "group", 16).decode()
     ref = quantize(t.cpu(), "e4m3", "group", 16).dequantize()
     assert out.stride() == t.stride() and torch.equal(out.cpu(), ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_groups_that_tile_rows_take_one_byte_power_of_two_scales(device):
+    """Eager groups of E4M3 that tile the rows store each scale as one exponent byte (the compiled graphs' format,
+    codec.encode_pow2): 1/16 byte per element for groups of 16, not 1/4; every scale a power of two; decoding is
+    within E4M3's rounding of the input, on the CPU reference and the CUDA kernels alike. Other cases (a last dim
+    the groups do not tile, E5M2) keep fp32 scales."""
+    from lpoptim.activations import codec
+    from lpoptim.formats import E5M2
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 64, generator=g) * torch.logspace(-3, 3, 64)).to(torch.bfloat16).to(device)
+    p = pack(x, "group", 16)
+    assert p.scale.dtype == torch.uint8 and p.scale.shape == (6, 4)
+    assert p.nbytes == x.numel() + 24 == codec.packed_nbytes(x, "group", 16)
+    out = p.decode()
+    assert out.dtype == x.dtype and out.shape == x.shape
+    err = (out.float() - x.float()).abs() / x.float().abs().clamp_min(1e-30)
+    assert err.max() <= 2 ** -4  # E4M3 keeps 3 mantissa bits: half a step at most, away from its subnormals
+    if device == "cuda":  # the kernels give the reference's bits
+        ref_codes, ref_exps = codec.encode_pow2(x.cpu(), 16, kernel=False)
+        assert torch.equal(p.codes.cpu().view(torch.uint8), ref_codes.view(torch.uint8))
+        assert torch.equal(p.scale.cpu(), ref_exps)
+    for other in (pack(x[:, :40].contiguous(), "group", 16), pack(x, "group", 16, E5M2)):
+        assert other.scale.dtype == torch.float32
