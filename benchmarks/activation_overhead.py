@@ -51,7 +51,7 @@ class _StubPacked:
 
     def __init__(self, t, granularity, group_size=16, fmt=None):
         self.t, self.uses = t.detach(), 0
-        self.nbytes = codec.packed_nbytes(t, granularity, group_size)
+        self.nbytes = codec.packed_nbytes(t, granularity, group_size, *((fmt,) if fmt is not None else ()))
 
     def unpack(self):
         return self.t

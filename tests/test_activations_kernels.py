@@ -130,3 +130,27 @@ def test_codec_kernel_path_matches_reference_path(K, monkeypatch):
 
     ref5 = codec.quantize(x, E5M2, "group", 16).dequantize().to(x.dtype)
     assert torch.equal(codec.pack(x, "group", 16, E5M2).unpack(), ref5)
+
+
+def test_codec_power_of_two_groups_kernel_path_matches_reference_path(K, monkeypatch):
+    """Groups that tile the rows (one-byte power-of-two scales): the kernels (interpreter) against the torch
+    reference through codec.pack, for a contiguous tensor with inf/NaN/ties and for attention's transposed q/k/v
+    layout (packed in memory order); codes, exponent bytes, bytes and the decoded tensor alike."""
+    from lpoptim.activations import codec
+
+    x = _hard_input((6, 64), torch.bfloat16)
+    q = torch.randn(2, 24, 3, 32, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).transpose(1, 2)
+    refs = [codec.pack(t, "group", 16) for t in (x, q)]
+    assert all(r.scale.dtype == torch.uint8 for r in refs) and refs[1].storage_order
+    decoded = [r.decode() for r in refs]  # the reference's decoding, before the kernels are switched on
+    monkeypatch.setattr(codec, "_use_triton", lambda t, fmt: fmt.dtype is torch.float8_e4m3fn)  # "on CUDA"
+    for t, ref, b in zip((x, q), refs, decoded):
+        got = codec.pack(t, "group", 16)
+        nan = (ref.codes.view(torch.uint8) & 0x7F) == 0x7F  # E4M3 NaN: its sign bit is not a value
+        g8 = got.codes.view(torch.uint8)
+        assert torch.equal((g8 & 0x7F) == 0x7F, nan) and torch.equal(g8[~nan], ref.codes.view(torch.uint8)[~nan])
+        assert torch.equal(got.scale, ref.scale) and got.nbytes == ref.nbytes
+        a = got.unpack()
+        assert a.stride() == b.stride() == t.stride()
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
+    assert decoded[0][1, 3] == 448 * 2.0 ** (refs[0].scale[1, 0].item() - 127)  # inf saturates

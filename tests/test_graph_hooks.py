@@ -55,9 +55,12 @@ def test_group_kernel_matches_reference(dtype):
     x = _hard((40, 64), dtype).to(dev)
     codes, exps = quantize_groups_pow2(x, 16)
     g = to_groups(x.float().cpu(), 16)
-    e = pow2_block_exponent(finite_absmax(g, dim=-1), 448.0, -126, 126)
+    amax = finite_absmax(g, dim=-1)
+    e = torch.where(amax > 0, pow2_block_exponent(amax, 448.0, -126, 126), 0)  # nothing finite: scale 1
     ref = round_to_grid(g * _pow2(-e).unsqueeze(-1), E4M3).to(torch.float8_e4m3fn)
     assert torch.equal(exps.cpu().int() - 127, e)
+    assert e[0, 0] == 0  # the zero group: scale 1
+    assert e[3, 0] == (-126 if dtype == torch.float32 else 0)  # fp32 subnormals: the clamp; in bf16 they are 0
     got, want = codes.cpu().view(torch.uint8), ref.reshape(x.shape).view(torch.uint8)
     nan = (want & 0x7F) == 0x7F  # E4M3's NaN is 0x7F or 0xFF: its sign is not a value (bf16's NaN sign differs)
     assert torch.equal((got & 0x7F) == 0x7F, nan) and torch.equal(got[~nan], want[~nan])

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..formats import E4M3, FloatFormat
+from ..nn.operands import round_for_cast
 from ..quant import Quantized, absmax_scale, finite_absmax, pow2_block_exponent, quantize, rows_of, to_groups
 
 COMPRESSIBLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -176,31 +177,33 @@ def _pow2(biased: torch.Tensor) -> torch.Tensor:
     return (biased << 23).view(torch.float32)
 
 
-def encode_pow2(t: torch.Tensor, group: int | None, fmt: FloatFormat = E4M3, kernel: bool = True):
+def encode_pow2(t: torch.Tensor, group: int | None, fmt: FloatFormat = E4M3, kernel: bool = False):
     """``t`` -> (codes of t's shape in fmt's dtype, uint8 biased exponents (rows, groups per row)): one power-of-two
     scale per run of ``group`` elements along the last dim (the last dim's length: per row; None: one for the
-    tensor). With ``kernel``, E4M3 groups on CUDA that pow2_groups accepts take kernels/act_quant.py's
-    quantize_groups_pow2, the same bits in one pass."""
+    tensor). A group with nothing finite to scale (zeros, or only inf / NaN) gets scale 1, as absmax_scale gives
+    the fp32 path: inf saturates to 448 there, NaN stays NaN. ``kernel``: E4M3 groups that pow2_groups accepts
+    take kernels/act_quant.py's quantize_groups_pow2 (the caller decides: CUDA, or the interpreter in tests), the
+    same bits in one pass."""
     n = t.shape[-1] if t.dim() else 1
-    if kernel and group is not None and t.is_cuda and pow2_groups(n, group, fmt):
-        from ..kernels.act_quant import quantize_groups_pow2
-        return quantize_groups_pow2(t.detach().contiguous(), group)
-    from ..nn.operands import round_for_cast
+    if kernel and group is not None and pow2_groups(n, group, fmt):
+        return _kernels().quantize_groups_pow2(t.detach().contiguous(), group)
     x = t.detach().float().reshape(-1, n) if t.dim() else t.detach().float().reshape(1, 1)
     if group is None:  # the whole tensor, one group
         x = x.reshape(1, -1)
     g = to_groups(x, x.shape[-1] if group is None else group)
-    e = pow2_block_exponent(finite_absmax(g, dim=-1), fmt.max, -126, 126)  # (rows, groups per row)
+    amax = finite_absmax(g, dim=-1)
+    e = torch.where(amax > 0, pow2_block_exponent(amax, fmt.max, -126, 126), 0)  # (rows, groups per row)
     codes = round_for_cast(g * _pow2(127 - e).unsqueeze(-1), fmt).to(fmt.dtype).reshape(t.shape)
     return codes, (e + 127).to(torch.uint8)
 
 
-def decode_pow2(codes: torch.Tensor, exps: torch.Tensor, dtype: torch.dtype, kernel: bool = True) -> torch.Tensor:
+def decode_pow2(codes: torch.Tensor, exps: torch.Tensor, dtype: torch.dtype, kernel: bool = False) -> torch.Tensor:
     """encode_pow2's inverse, in ``dtype`` (clamped to its range: a power-of-two scale can round a group's largest
-    value up past it). With ``kernel``, E4M3 on CUDA takes dequantize_groups_pow2."""
-    if kernel and codes.is_cuda and codes.dtype == torch.float8_e4m3fn:
-        from ..kernels.act_quant import dequantize_groups_pow2
-        return dequantize_groups_pow2(codes.contiguous(), exps.contiguous(), dtype)
+    value up past it). ``kernel``: E4M3 takes dequantize_groups_pow2 (the caller decides, as for encode_pow2)."""
+    if exps.numel() == 0:  # nothing packed (an empty tensor)
+        return torch.empty(codes.shape, dtype=dtype, device=codes.device)
+    if kernel and codes.dtype == torch.float8_e4m3fn:
+        return _kernels().dequantize_groups_pow2(codes.contiguous(), exps.contiguous(), dtype)
     # groups tile rows exactly: the k-th group of the flattened codes has the k-th scale, an index a shift computes
     # for groups (Inductor's (row, col) form would divide by the row length for every element)
     g = codes.numel() // exps.numel()

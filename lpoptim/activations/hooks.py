@@ -286,7 +286,7 @@ class PackContext:
             return self._keep("attention", t)
         numel = t.numel()
         nbytes = numel * t.element_size()
-        if numel < policy.min_numel or packed_nbytes(t, gran, policy.group_size) * 3 > nbytes * 2:
+        if numel < policy.min_numel or packed_nbytes(t, gran, policy.group_size, policy.fmt) * 3 > nbytes * 2:
             return self._keep("small", t)
         out = derive(self, t) if policy.derive else None
         if out is not None:

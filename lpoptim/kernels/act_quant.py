@@ -108,6 +108,7 @@ def _quant_groups_pow2_kernel(x_ptr, codes_ptr, exp_ptr, total_groups, FMAX: tl.
     bits = tl.max(finite_abs(x), axis=1).to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) - 127 - F_EXP + ((bits & 0x7FFFFF) > F_MANT).to(tl.int32)
     e = tl.minimum(tl.maximum(e, -126), 126)
+    e = tl.where(bits == 0, 0, e)  # nothing finite to scale (zeros, or only inf / NaN): scale 1, inf saturating at 448
     y = x * ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None]  # / 2^e, exact
     if ON_GPU:  # the cast rounds to nearest even; +-inf clamped, NaN kept
         q = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL).to(codes_ptr.dtype.element_ty)
