@@ -37,19 +37,19 @@ def main():
         col_max = torch.zeros(k, device="cuda", dtype=torch.int32)
         lq.quantize_rows(x, E4M3, "row", None, k, col_max=col_max)  # the column maxima the column pass reads
         if "whole" in modes:  # rows held whole (TUNING["whole_rows"]) against the two-pass kernel, per format
-            for fmt, had in (("int4_sym", 128), ("e2m1", None), ("e4m3", None)):
-                fn = lambda: lq.quantize_rows(x, fmt, "row", had, k)  # noqa: E731
+            for fmt in ("e2m1", "e4m3"):
+                fn = lambda: lq.quantize_rows(x, fmt, "row", None, k)  # noqa: E731
                 configs = [(None, None)] + list(itertools.product((4096, 8192, 16384), (4, 8, 16)))
                 for elems, nw in configs:
                     if elems is not None and elems < k:
                         continue
                     saved_whole = dict(lq.TUNING["whole_rows"])
-                    lq.TUNING["whole_rows"].update(enabled=elems is not None, max_width=16384, hadamard=True, **(
+                    lq.TUNING["whole_rows"].update(enabled=elems is not None, max_width=16384, **(
                         dict(elems=elems, num_warps=nw) if elems else {}))
                     ms = back_to_back_ms(fn, 20)
                     lq.TUNING["whole_rows"] = saved_whole
                     label = "two-pass" if elems is None else f"whole elems={elems:5d} warps={nw:2d}"
-                    print(f"{m}x{k} whole {fmt:8s} had={had or 0:3d} {label:28s} {ms:7.3f} ms  "
+                    print(f"{m}x{k} whole {fmt:8s} {label:28s} {ms:7.3f} ms  "
                           f"{x.numel() * 3 / ms / 1e6:6.0f} GB/s", flush=True)
         for mode in (md for md in modes if md != "whole"):
             for br, bc, nw in itertools.product(*TILES[mode], (4, 8)):

@@ -205,21 +205,36 @@ def test_fp4_fast_saves_the_same_operands_with_the_fused_maxima(monkeypatch, cas
     assert torch.equal(y.nan_to_num(7.0), ref_y.nan_to_num(7.0))
 
 
-@pytest.mark.parametrize("fmt,had", [("e4m3", None), ("e2m1", None), ("int4_sym", 32), ("int4_sym", 128)])
+def _launched(monkeypatch) -> list:
+    """The kernels linear_quant launches from now on (its launcher, spied on)."""
+    used, real = [], lq.launcher
+    monkeypatch.setattr(lq, "launcher", lambda kernel: (used.append(kernel), real(kernel))[1])
+    return used
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1", "int4_sym"])
 @pytest.mark.parametrize("shape", [(37, 70), (5, 300), (50, 1000)])
-def test_whole_rows_kernel_matches_the_two_pass_kernel(monkeypatch, fmt, had, shape):
+def test_whole_rows_kernel_matches_the_two_pass_kernel(monkeypatch, fmt, shape):
     """Rows read once and held whole (_quant_whole_rows_kernel) give the two-pass kernel's codes, scales and
-    tensor maximum, for widths that are not powers of two (padded), with and without a Hadamard block."""
+    tensor maximum, for widths that are not powers of two (padded)."""
     x = _x(*shape, False)
-    cols = -(-shape[1] // (had or 16)) * (had or 16)
+    cols = -(-shape[1] // 16) * 16
     bits = [torch.zeros((), dtype=torch.int32) for _ in range(2)]
-    monkeypatch.setitem(lq.TUNING, "whole_rows", {**lq.TUNING["whole_rows"], "max_width": 16384, "hadamard": True})
-    whole = lq.quantize_rows(x, fmt, "row", had, cols, tensor_max=None if had else bits[0])
+    used = _launched(monkeypatch)
+    whole = lq.quantize_rows(x, fmt, "row", None, cols, tensor_max=bits[0])
+    assert used == [lq._quant_whole_rows_kernel]
     monkeypatch.setitem(lq.TUNING, "whole_rows", {**lq.TUNING["whole_rows"], "enabled": False})
-    two = lq.quantize_rows(x, fmt, "row", had, cols, tensor_max=None if had else bits[1])
+    two = lq.quantize_rows(x, fmt, "row", None, cols, tensor_max=bits[1])
+    assert used[1:] == [lq._quant_rows_kernel]
     assert torch.equal(whole[0].view(torch.uint8), two[0].view(torch.uint8)) and torch.equal(whole[1], two[1])
-    if not had:
-        assert torch.equal(bits[0], bits[1]) and bits[0].view(torch.float32) == 150.0  # the planted outlier
+    assert torch.equal(bits[0], bits[1]) and bits[0].view(torch.float32) == 150.0  # the planted outlier
+
+
+def test_hadamard_rows_keep_the_two_pass_kernel(monkeypatch):
+    """With a block Hadamard the rows take the two-pass kernel (a one-read version was no faster, and removed)."""
+    used = _launched(monkeypatch)
+    lq.quantize_rows(_x(8, 64, False), "int4_sym", "row", 32, 64)
+    assert used == [lq._quant_rows_kernel]
 
 
 def test_whole_rows_kernel_on_row_strided_bf16_views(monkeypatch):
@@ -238,11 +253,9 @@ def test_whole_rows_kernel_on_row_strided_bf16_views(monkeypatch):
 @pytest.mark.parametrize("width,whole", [(4096, True), (4097, False)])
 def test_whole_rows_kernel_is_taken_up_to_its_width(monkeypatch, width, whole):
     """TUNING's max_width (4096 padded columns) decides; cols is checked against x's width."""
-    taken = []
-    real = lq._quantize_whole_rows
-    monkeypatch.setattr(lq, "_quantize_whole_rows", lambda *a: (taken.append(1), real(*a))[1])
+    used = _launched(monkeypatch)
     x = torch.randn(2, width - 16 if whole else width)
     lq.quantize_rows(x, "e4m3", "row", None, -(-x.shape[1] // 16) * 16)
-    assert bool(taken) == whole
+    assert used == [lq._quant_whole_rows_kernel if whole else lq._quant_rows_kernel]
     with pytest.raises(ValueError, match="padded, never dropped"):
         lq.quantize_rows(x, "e4m3", "row", None, 16)

@@ -40,6 +40,7 @@ import threading
 import torch
 
 from .codec import decode_pow2, encode_pow2
+from .policy import GEMM_OPS
 from .stats import SavedRecord
 
 _LOCAL = threading.local()  # the PackContexts entered on this thread, innermost last
@@ -87,7 +88,6 @@ _hook_context = _context_getter()  # looked up once: the eager hooks run for eve
 
 _VIEW_OPS = frozenset({"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "squeeze",
                        "unsqueeze", "alias", "slice", "select", "as_strided", "clone", "contiguous"})
-_GEMM_OPS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "_scaled_mm", "matmul", "linear"})
 _ATTENTION_WORDS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention", "flex_attention")
 
 
@@ -126,7 +126,7 @@ def classify(info: dict) -> tuple[str, str]:
                 break
     if any(w in r for r in (*readers, producer) for w in _ATTENTION_WORDS):
         return "attention", producer
-    if readers and all(r in _GEMM_OPS for r in readers):
+    if readers and all(r in GEMM_OPS for r in readers):  # the eager rules' names
         return "gemm", producer
     return "nonlinear", producer
 

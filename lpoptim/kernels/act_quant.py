@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ..quant import max_bits, rows_of
 from .grid import absmax_scale, finite_abs, fp8_bits, fp8_value, interpreted, round_to_grid, store_as
+from .launch import cdiv, next_power_of_2  # plain Python: triton's are jit functions, slow to call per pack
 
 
 
@@ -136,7 +137,7 @@ def quantize_groups_pow2(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor
     if total:
         block_g = max(1, 2048 // group_size)
         f_exp, f_mant = E4M3_MAX_BITS
-        torch.library.wrap_triton(_quant_groups_pow2_kernel)[(triton.cdiv(total, block_g),)](
+        torch.library.wrap_triton(_quant_groups_pow2_kernel)[(cdiv(total, block_g),)](
             x, codes, exps, total, FMAX=448.0, F_EXP=f_exp, F_MANT=f_mant, G=group_size, BLOCK_G=block_g,
             ON_GPU=_ON_GPU)
     return codes, exps
@@ -169,7 +170,7 @@ def dequantize_groups_pow2(codes: torch.Tensor, exps: torch.Tensor, dtype: torch
     if total:
         g = n // ng
         block_g = max(1, 2048 // g)
-        torch.library.wrap_triton(_dequant_groups_pow2_kernel)[(triton.cdiv(total, block_g),)](
+        torch.library.wrap_triton(_dequant_groups_pow2_kernel)[(cdiv(total, block_g),)](
             codes.view(torch.uint8), exps, out, total, TOP=torch.finfo(dtype).max, G=g, BLOCK_G=block_g,
             ON_GPU=_ON_GPU)
     return out
@@ -186,7 +187,7 @@ _ON_GPU = not interpreted()  # read once: the wrappers run per saved tensor
 @functools.cache
 def _group_blocks(group_size: int) -> tuple[int, int]:
     """(GP: group_size rounded up to a power of 2, BLOCK_G: groups per program, ~1024 elements)."""
-    gp = triton.next_power_of_2(group_size)
+    gp = next_power_of_2(group_size)
     return gp, max(1, 1024 // gp)
 
 
@@ -212,7 +213,7 @@ def quantize_rows(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[t
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     scales = scale.reshape(1).float() if scale is not None else torch.empty(r, dtype=torch.float32, device=x.device)
     if r and n:
-        block = min(triton.next_power_of_2(n), 2048)
+        block = min(next_power_of_2(n), 2048)
         _quant_rows_kernel[(r,)](x, codes, scales, n, HAS_SCALE=scale is not None, BLOCK=block)
     return codes, scales
 

@@ -153,12 +153,13 @@ TUNING = {"rows": dict(block_r=16, block_c=256, num_warps=4), "from_max": dict(b
           "tensor": dict(block_r=32, block_c=256, num_warps=8),
           # with a block Hadamard (the tile's columns are one Hadamard block): rows per program for its tl.dot
           "hadamard": dict(block_r=64, num_warps=8),
-          # rows held whole (quantize_rows without column maxima, x's rows contiguous, at most max_width wide padded
-          # to a power of two): one read of x instead of two. Swept (quant_tune --modes whole, docs/results/
-          # quant_tune_whole_rows_h100.txt) on 16384 x 4096 bf16: E2M1 0.091 ms against the two-pass kernel's 0.135,
-          # E4M3 0.081 against 0.128 (4096 elements, 8 warps); INT4 after a Hadamard of 128 no faster (0.143 against
-          # 0.146 at best), and 11008 wide (padded to 16384, one row a program) slower (0.49 against 0.33)
-          "whole_rows": dict(enabled=True, max_width=4096, elems=4096, num_warps=8, hadamard=False),
+          # rows held whole (quantize_rows without a Hadamard or column maxima, x's rows contiguous, at most
+          # max_width wide padded to a power of two): one read of x instead of two. Swept (quant_tune --modes whole,
+          # docs/results/quant_tune_whole_rows_h100.txt) on 16384 x 4096 bf16: E2M1 0.091 ms against the two-pass
+          # kernel's 0.135, E4M3 0.081 against 0.128 (4096 elements, 8 warps); 11008 wide (padded to 16384, one row
+          # a program) slower (0.49 against 0.33). A version with the Hadamard as one tl.dot over the tile was no
+          # faster for INT4 (0.143 against 0.146 ms at best) and was removed.
+          "whole_rows": dict(enabled=True, max_width=4096, elems=4096, num_warps=8),
           # the finite absmax pass (per-tensor scales), its running maximum a whole tile: swept (quant_tune --modes
           # absmax, docs/results/quant_tune_absmax_h100.txt) 16 x 256 with 4 warps is within 3% of the best on both
           # shapes (2461 / 2787 GB/s on 16384 x 4096 / x 11008; best 2525 / 2894)
@@ -208,9 +209,14 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
     had = bool(hadamard_block)
     width = next_power_of_2(max(cols, 16))
     whole = TUNING["whole_rows"]
-    if (whole["enabled"] and col_max is None and not from_max and x.stride(1) == 1 and width <= whole["max_width"]
-            and (not had or whole["hadamard"])):
-        return _quantize_whole_rows(x, out, scale, fmt, hadamard_block, width, tensor_max)
+    if (whole["enabled"] and not (had or from_max) and col_max is None and x.stride(1) == 1
+            and width <= whole["max_width"]):
+        rows = 1 << max(0, (whole["elems"] // width).bit_length() - 1)  # rows held whole: a power of two
+        launcher(_quant_whole_rows_kernel)(
+            (cdiv(R, rows),), x, out, scale, tensor_max if tensor_max is not None else scale, R, C, cols, x.stride(0),
+            **_grid_args(fmt, "", out), ROWS=rows, WIDTH=width, ON_GPU=not interpreted(),
+            TENSOR_MAX=tensor_max is not None, num_warps=whole["num_warps"])
+        return out, scale
     tune = TUNING["hadamard" if had else "from_max" if from_max else "rows"]
     if had and (hadamard_block > 128 or x.dtype != torch.bfloat16):  # swept for bf16 and 128 only: the matrix
         tune = dict(block_r=32, num_warps=4)  # stays live in the loop, so larger ones keep the smaller tile
@@ -234,55 +240,26 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
 
 
 @triton.jit
-def _quant_whole_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, tmax_ptr, R, C, CP, stride_r,
+def _quant_whole_rows_kernel(x_ptr, out_ptr, scale_ptr, tmax_ptr, R, C, CP, stride_r,
                              INT: tl.constexpr, FMAX: tl.constexpr, MAN: tl.constexpr, EMIN: tl.constexpr,
                              QMIN: tl.constexpr, QMAX: tl.constexpr, NATIVE: tl.constexpr, E4M3: tl.constexpr,
-                             HAD: tl.constexpr, HB: tl.constexpr, INV_SQRT: tl.constexpr, BF16_DOT: tl.constexpr,
                              ROWS: tl.constexpr, WIDTH: tl.constexpr, ON_GPU: tl.constexpr,
                              TENSOR_MAX: tl.constexpr):
-    """_quant_rows_kernel for rows that fit a tile whole (WIDTH, a power of two >= CP): ROWS rows per program,
-    read from memory once. With HAD, the tile seen as (ROWS * WIDTH / HB, HB) is one tl.dot with the Hadamard
-    matrix: every run of HB columns is one block. Then each row's absmax, its scale, and the codes."""
+    """_quant_rows_kernel without a Hadamard, for rows that fit a tile whole (WIDTH, a power of two >= CP): ROWS
+    rows per program, read from memory once; each row's absmax, its scale and the codes from registers."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, WIDTH)
     t = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :],
-                mask=(rows[:, None] < R) & (cols[None, :] < C), other=0.0)
-    if HAD:
-        h = _load_hadamard(h_ptr, HB, BF16_DOT)
-        blocks = tl.reshape(t, (ROWS * WIDTH // HB, HB))
-        if BF16_DOT:
-            blocks = tl.dot(blocks.to(tl.bfloat16), h, out_dtype=tl.float32)
-        else:
-            blocks = tl.dot(blocks.to(tl.float32), h, input_precision="ieee")
-        t = tl.reshape(blocks * INV_SQRT, (ROWS, WIDTH))
-    t = t.to(tl.float32)
+                mask=(rows[:, None] < R) & (cols[None, :] < C), other=0.0).to(tl.float32)
     amax = tl.max(finite_abs(t), axis=1)  # inf and NaN do not set the scale
     scale = _absmax_scale(amax, FMAX)
     tl.store(scale_ptr + rows, scale, mask=rows < R)
-    if TENSOR_MAX:  # x's finite absmax is the largest row's (no Hadamard): |x| orders as its bits
+    if TENSOR_MAX:  # x's finite absmax is the largest row's: |x| orders as its bits
         tl.atomic_max(tmax_ptr, tl.max(amax, axis=0).to(tl.int32, bitcast=True))
     q = _quantize_tile(t, scale[:, None], FMAX, INT, MAN, EMIN, QMIN, QMAX, NATIVE, E4M3, out_ptr.dtype.element_ty,
                        ON_GPU)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * CP + cols[None, :], q,
              mask=(rows[:, None] < R) & (cols[None, :] < CP))
-
-
-def _quantize_whole_rows(x, out, scale, fmt, hadamard_block, width, tensor_max):
-    """quantize_rows through _quant_whole_rows_kernel: x's rows contiguous and at most TUNING's elements wide."""
-    R, C = x.shape
-    tune = TUNING["whole_rows"]
-    had = bool(hadamard_block)
-    rows = 1 << max(0, (tune["elems"] // width).bit_length() - 1)  # a power of two (a tl.arange length)
-    if had:  # tl.dot wants at least 16 blocks a program
-        rows = max(rows, 16 * hadamard_block // width)
-    h = hadamard_pm1(hadamard_block, x.device) if had else scale  # dummy pointer when unused
-    launcher(_quant_whole_rows_kernel)(
-        (cdiv(R, rows),), x, out, scale, h, tensor_max if tensor_max is not None else scale, R, C, out.shape[1],
-        x.stride(0), **_grid_args(fmt, "", out), HAD=had, HB=hadamard_block or 16,
-        INV_SQRT=inv_sqrt(hadamard_block) if had else 1.0,
-        BF16_DOT=x.dtype == torch.bfloat16 and not interpreted(), ROWS=rows, WIDTH=width, ON_GPU=not interpreted(),
-        TENSOR_MAX=tensor_max is not None, num_warps=tune["num_warps"])
-    return out, scale
 
 
 @triton.jit
