@@ -1,5 +1,5 @@
 """What the host spends issuing one low-bit linear step: per-call costs of the pieces (a Triton launch through
-JITFunction.run and through the compiled kernel's own launcher, torch._scaled_mm against torch.mm, small
+JITFunction.run and through lpoptim's cached launcher, torch._scaled_mm against torch.mm, small
 allocations, an autograd Function) and a cProfile of whole layer steps.
 
     PYTHONPATH=$PWD python3 benchmarks/host_costs.py [--recipes fp8_tensor,int4,fp4_fast] [--out F.txt]
@@ -52,30 +52,11 @@ def primitive_costs() -> dict:
               BLOCK_R=tune["block_r"], BLOCK_C=tune["block_c"], ON_GPU=True, num_warps=tune["num_warps"])
     args = (small, amax, *rows, *cols, 64, 256, 64, 256, small.stride(0), small.stride(1))
     grid = (2, 1)
-    ck = lq._quant_tensor_kernel[grid](*args, **kw)
     out["JITFunction launch (kernel[grid](...))"] = per_call_us(lambda: lq._quant_tensor_kernel[grid](*args, **kw))
-    try:  # the compiled kernel's own launcher, skipping argument binding and the cache lookup
-        import triton
-        from triton.runtime import driver
-        dev_i = driver.active.get_current_device()
-        stream = driver.active.get_current_stream(dev_i)
-        sig = list(lq._quant_tensor_kernel.signature.parameters)
-        full = list(args) + [kw[name] for name in sig[len(args):]]
-
-        def raw():
-            ck.run(2, 1, 1, stream, ck.function, ck.packed_metadata, None, None, None, *full)
-        raw()
-        out["CompiledKernel.run (all params)"] = per_call_us(raw)
-        out["triton"] = triton.__version__
-    except Exception as e:  # noqa: BLE001 - report whatever this Triton's launcher wants
-        out["CompiledKernel.run error"] = f"{type(e).__name__}: {e}"[:300]
-    try:
-        def raw_stream():
-            s = driver.active.get_current_stream(driver.active.get_current_device())
-            ck.run(2, 1, 1, s, ck.function, ck.packed_metadata, None, None, None, *full)
-        out["CompiledKernel.run + stream lookup"] = per_call_us(raw_stream)
-    except Exception as e:  # noqa: BLE001
-        out["stream lookup error"] = f"{type(e).__name__}: {e}"[:300]
+    # lpoptim's cached launcher (kernels/launch.py): its key, then the compiled kernel's own launcher
+    from lpoptim.kernels.launch import launcher
+    run = launcher(lq._quant_tensor_kernel)
+    out["launch.launcher (cached)"] = per_call_us(lambda: run(grid, *args, **kw))
     a = torch.randn(16384, 4096, device=dev).to(torch.float8_e4m3fn)
     b = torch.randn(4096, 4096, device=dev).to(torch.float8_e4m3fn)
     one = torch.ones((), device=dev)
