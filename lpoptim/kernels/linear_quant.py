@@ -161,7 +161,7 @@ TUNING = {"rows": dict(block_r=16, block_c=256, num_warps=4), "from_max": dict(b
           # faster for INT4 (0.143 against 0.146 ms at best) and was removed.
           "whole_rows": dict(enabled=True, max_width=4096, elems=4096, num_warps=8),
           # the finite absmax pass (per-tensor scales), its running maximum a whole tile: swept (quant_tune --modes
-          # absmax, docs/results/quant_tune_absmax_h100.txt) 16 x 256 with 4 warps is within 3% of the best on both
+          # absmax, docs/results/quant_tune_absmax_h100.txt) 16 x 256 with 4 warps is within 4% of the best on both
           # shapes (2461 / 2787 GB/s on 16384 x 4096 / x 11008; best 2525 / 2894)
           "absmax": dict(block_r=16, block_c=256, num_warps=4)}
 
