@@ -35,11 +35,14 @@ RECIPES = [  # (label, recipe, overrides)
     ("lpoptim fp8 (row)", "fp8", {}),
     ("lpoptim fp8 (tensor)", "fp8_tensor", {}),
     ("lpoptim fp8 (tensor, fast accum fwd)", "fp8_tensor", {"fast_accum": True}),
+    ("lpoptim fp8 (tensor, delayed scaling)", "fp8_delayed", {}),
     ("lpoptim fp4", "fp4", {}),
     ("lpoptim fp4 no OCC", "fp4", {"occ_alpha": None}),
     ("lpoptim int4 (fp8 bwd per tensor)", "int4", {}),
+    ("lpoptim int4 (fp8 bwd per tensor, delayed scaling)", "int4", {"scaling": "delayed"}),
     ("lpoptim int4 (fp8 bwd per row)", "int4", {"bwd_granularity": "row"}),
     ("lpoptim fp4_fast (no OCC, bwd per tensor)", "fp4_fast", {}),
+    ("lpoptim fp4_fast (no OCC, bwd per tensor, delayed scaling)", "fp4_fast", {"scaling": "delayed"}),
     ("lpoptim int4 (split bwd)", "int4_split", {}),
 ]
 TARGETS = {"fp8": 1.45, "fp4": 1.3, "int4": 1.3}
@@ -180,7 +183,7 @@ def quality(args, device, cuda):
         kw.update(n_layer=4, n_head=4, n_embd=256, block_size=128, batch_size=32, lr=2e-3, eval_batches=20,
                   autocast_dtype=torch.bfloat16)
     out = {}
-    for recipe in (None, "fp8", "fp4", "int4"):
+    for recipe in (None, "fp8", "fp8_delayed", "fp4", "int4"):
         t = time.perf_counter()
         try:
             out[recipe or "baseline"] = train_char_gpt(recipe, **kw)
@@ -199,14 +202,15 @@ def summary(layers, qual, kernels):
     variants = list(dict.fromkeys(r["variant"] for r in layers))
     base = "bf16 nn.Linear compiled" if any(v == "bf16 nn.Linear compiled" for v in variants) else "bf16 nn.Linear eager"
     lines.append(f"fwd+bwd ms per layer ({layers[0]['tokens']} tokens); speed-up vs {base}; target")
-    lines.append(f"{'variant':36s}" + "".join(f"{s:>22s}" for s in shapes) + "  target")
+    w = max(36, *map(len, variants))
+    lines.append(f"{'variant':{w}s}" + "".join(f"{s:>22s}" for s in shapes) + "  target")
     for v in variants:
         cells = []
         for s in shapes:
             ms, b = by.get((s, v)), by.get((s, base))
             cells.append(f"{ms:8.3f} ({b / ms:4.2f}x)" if ms and b else f"{'n/a':>16s}")
         t = next((TARGETS[k] for k in TARGETS if f" {k}" in v and v.startswith("lpoptim")), None)
-        lines.append(f"{v:36s}" + "".join(f"{c:>22s}" for c in cells) + (f"  >= {t}x" if t else ""))
+        lines.append(f"{v:{w}s}" + "".join(f"{c:>22s}" for c in cells) + (f"  >= {t}x" if t else ""))
     b2b = {(r["shape"], r["variant"]): r.get("ms_back_to_back") for r in layers}
     if any(b2b.values()):
         lines.append("")
@@ -216,7 +220,7 @@ def summary(layers, qual, kernels):
             for s in shapes:
                 ms, b = b2b.get((s, v)), b2b.get((s, base))
                 cells.append(f"{ms:8.3f} ({b / ms:4.2f}x)" if ms and b else f"{'n/a':>16s}")
-            lines.append(f"{v:36s}" + "".join(f"{c:>22s}" for c in cells))
+            lines.append(f"{v:{w}s}" + "".join(f"{c:>22s}" for c in cells))
     lines.append("")
     lines.append("quantizer kernels: " + "; ".join(f"{k['kernel']}: {k.get('GB_per_s', float('nan')):.0f} GB/s"
                                                     for k in kernels))

@@ -1,7 +1,7 @@
 """Where one low-bit linear layer's forward + backward time goes: wall time per step against the GPU's kernel
 time (their gap is host work the GPU waits on), and the kernels by time.
 
-    PYTHONPATH=$PWD python3 benchmarks/profile_linear.py --shape 4096,4096 --recipes fp8_tensor,int4 [--compile]
+    PYTHONPATH=$PWD python3 benchmarks/profile_linear.py --shape 4096,4096 --recipes fp8_tensor,int4@delayed [--compile]
 
 Same layer and inputs as benchmarks/linear.py (16384 tokens, bf16); 10 steps profiled after 5 warm-up.
 """
@@ -34,7 +34,9 @@ def main():
     inputs = make_inputs(args.tokens, k, n, torch.bfloat16, "cuda")
     for name in args.recipes.split(","):
         torch._dynamo.reset()
-        layer = base if name == "bf16" else LowBitLinear.from_linear(base, name)
+        recipe, _, scaling = name.partition("@")  # int4@delayed: the int4 recipe with scaling="delayed"
+        layer = base if name == "bf16" else LowBitLinear.from_linear(base, recipe,
+                                                                     **({"scaling": scaling} if scaling else {}))
         layer = torch.compile(layer) if args.compile else layer
 
         step = layer_step(layer, inputs)

@@ -17,12 +17,14 @@ def runs():
     torch.set_num_threads(1)
     try:
         data = CharData()
-        return {r: train_char_gpt(r, steps=STEPS, lr=LR, data=data) for r in (None, "fp8", "fp8_tensor", "fp4", "int4")}
+        recipes = (None, "fp8", "fp8_tensor", "fp8_delayed", "fp4", "int4")
+        return {r: train_char_gpt(r, steps=STEPS, lr=LR, data=data) for r in recipes}
     finally:
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("recipe,tol", [("fp8", 0.01), ("fp8_tensor", 0.01), ("fp4", 0.03), ("int4", 0.03)])
+@pytest.mark.parametrize("recipe,tol", [("fp8", 0.01), ("fp8_tensor", 0.01), ("fp8_delayed", 0.01), ("fp4", 0.03),
+                                        ("int4", 0.03)])
 def test_recipe_loss_close_to_fp32(runs, recipe, tol):
     base, low = runs[None], runs[recipe]
     assert base["val"] < 2.7  # the baseline learned (uniform over 65 chars is 4.17)

@@ -262,41 +262,72 @@ def _quant_whole_rows_kernel(x_ptr, out_ptr, scale_ptr, tmax_ptr, R, C, CP, stri
              mask=(rows[:, None] < R) & (cols[None, :] < CP))
 
 
-@triton.jit
+# the history slots change every call: specialized (== 1, divisible by 16) they would compile a variant each
+@triton.jit(do_not_specialize=["HIST_OFFSET", "W_SLOT", "Z_SLOT"])
 def _quant_tensor_kernel(x_ptr, amax_ptr, row_ptr, row_scale_ptr, col_ptr, col_scale_ptr, R, C, RP, CP,
-                         stride_r, stride_c,
+                         stride_r, stride_c, hist_ptr, HIST_OFFSET, W_SLOT, Z_SLOT,
                          ROWS: tl.constexpr, R_FMAX: tl.constexpr, R_INT: tl.constexpr, R_MAN: tl.constexpr,
                          R_EMIN: tl.constexpr, R_QMIN: tl.constexpr, R_QMAX: tl.constexpr, R_NATIVE: tl.constexpr,
                          R_E4M3: tl.constexpr,
                          COLS: tl.constexpr, C_FMAX: tl.constexpr, C_INT: tl.constexpr, C_MAN: tl.constexpr,
                          C_EMIN: tl.constexpr, C_QMIN: tl.constexpr, C_QMAX: tl.constexpr, C_NATIVE: tl.constexpr,
                          C_E4M3: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ON_GPU: tl.constexpr):
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ON_GPU: tl.constexpr,
+                         DELAYED: tl.constexpr, REDO: tl.constexpr, N_SLOTS: tl.constexpr,
+                         SLOTS_P2: tl.constexpr):
     """A (BLOCK_R, BLOCK_C) tile of x scaled by one per-tensor scale: written as rows (R, CP) and/or as columns,
-    transposed, (C, RP), zero-padded. The scales (amax / FMAX) are worked out from the finite absmax.
+    transposed, (C, RP), zero-padded. The scales (amax / FMAX) are worked out from the finite absmax: x's own at
+    ``amax_ptr``, or with DELAYED the largest in x's history ring (nn/delayed.py: N_SLOTS int32 slots from
+    ``hist_ptr + HIST_OFFSET``, all but W_SLOT and Z_SLOT), in which case each tile's finite absmax goes into slot
+    W_SLOT (an atomic) and the first program zeroes slot Z_SLOT for the next call. REDO, launched after a DELAYED
+    pass, quantizes again with x's own absmax (now in W_SLOT) where that exceeds the history's, and else does
+    nothing: no value ever saturates, and the result is the reference's max(history, own) scale.
 
     The columns' copy loads the tile again, transposed (from L1/L2: DRAM sees x once), so that each store runs
     along its tile's own dimension 1, as the one-pass column quantizer does. Storing the rows' tile through
     transposed addresses instead gave wrong codes for fp32 input on an H100 (triton 3.6), bf16 right."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    amax = tl.load(amax_ptr)
     first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
-    if ROWS:
-        _quantize_store(x_ptr, rows, cols, stride_r, stride_c, R, C, row_ptr, CP, row_scale_ptr, amax, first,
-                        R_FMAX, R_INT, R_MAN, R_EMIN, R_QMIN, R_QMAX, R_NATIVE, R_E4M3, ON_GPU)
-    if COLS:
-        _quantize_store(x_ptr, cols, rows, stride_c, stride_r, C, R, col_ptr, RP, col_scale_ptr, amax, first,
-                        C_FMAX, C_INT, C_MAN, C_EMIN, C_QMIN, C_QMAX, C_NATIVE, C_E4M3, ON_GPU)
+    if DELAYED or REDO:
+        s = tl.arange(0, SLOTS_P2)
+        window = (s < N_SLOTS) & (s != W_SLOT) & (s != Z_SLOT)  # the slot being written and the one being zeroed
+        amax = tl.max(tl.load(hist_ptr + HIST_OFFSET + s, mask=window, other=0), axis=0).to(tl.float32, bitcast=True)
+    else:
+        amax = tl.load(amax_ptr)
+    if REDO:  # after the DELAYED pass: x's own absmax is in slot W_SLOT; beyond the history's, x is quantized
+        own = tl.load(hist_ptr + HIST_OFFSET + W_SLOT).to(tl.float32, bitcast=True)  # again with its own scale
+        if own > amax:
+            if ROWS:
+                _quantize_store(x_ptr, rows, cols, stride_r, stride_c, R, C, row_ptr, CP, row_scale_ptr, own, first,
+                                R_FMAX, R_INT, R_MAN, R_EMIN, R_QMIN, R_QMAX, R_NATIVE, R_E4M3, ON_GPU, False)
+            if COLS:
+                _quantize_store(x_ptr, cols, rows, stride_c, stride_r, C, R, col_ptr, RP, col_scale_ptr, own, first,
+                                C_FMAX, C_INT, C_MAN, C_EMIN, C_QMIN, C_QMAX, C_NATIVE, C_E4M3, ON_GPU, False)
+    else:
+        tile_max = 0.0
+        if ROWS:
+            tile_max = _quantize_store(x_ptr, rows, cols, stride_r, stride_c, R, C, row_ptr, CP, row_scale_ptr, amax,
+                                       first, R_FMAX, R_INT, R_MAN, R_EMIN, R_QMIN, R_QMAX, R_NATIVE, R_E4M3, ON_GPU,
+                                       DELAYED)
+        if COLS:  # the same elements as the rows' tile: either maximum will do
+            tile_max = _quantize_store(x_ptr, cols, rows, stride_c, stride_r, C, R, col_ptr, RP, col_scale_ptr, amax,
+                                       first, C_FMAX, C_INT, C_MAN, C_EMIN, C_QMIN, C_QMAX, C_NATIVE, C_E4M3, ON_GPU,
+                                       DELAYED)
+        if DELAYED:
+            if ROWS or COLS:
+                tl.atomic_max(hist_ptr + HIST_OFFSET + W_SLOT, tile_max.to(tl.int32, bitcast=True))
+            if first:
+                tl.store(hist_ptr + HIST_OFFSET + Z_SLOT, 0)
 
 
 @triton.jit
 def _quantize_store(x_ptr, a, b, stride_a, stride_b, A, B, out_ptr, OUT_W, scale_ptr, amax, first,
                     FMAX: tl.constexpr, IS_INT: tl.constexpr, MAN: tl.constexpr, EMIN: tl.constexpr,
                     QMIN: tl.constexpr, QMAX: tl.constexpr, NATIVE: tl.constexpr, CONTAINER_E4M3: tl.constexpr,
-                    ON_GPU: tl.constexpr):
+                    ON_GPU: tl.constexpr, TILE_MAX: tl.constexpr):
     """The tile x[a, b] (x is (A, B) along these indices) scaled by amax / FMAX, stored as out[a, b] in rows of
-    OUT_W (zeros past B); ``first`` also stores the scale."""
+    OUT_W (zeros past B); ``first`` also stores the scale. Returns the tile's finite absmax with TILE_MAX, else 0."""
     t = tl.load(x_ptr + a[:, None].to(tl.int64) * stride_a + b[None, :].to(tl.int64) * stride_b,
                 mask=(a[:, None] < A) & (b[None, :] < B), other=0.0).to(tl.float32)
     scale = _absmax_scale(amax, FMAX)
@@ -305,6 +336,9 @@ def _quantize_store(x_ptr, a, b, stride_a, stride_b, A, B, out_ptr, OUT_W, scale
     tl.store(out_ptr + a[:, None].to(tl.int64) * OUT_W + b[None, :], q, mask=(a[:, None] < A) & (b[None, :] < OUT_W))
     if first:
         tl.store(scale_ptr, scale)
+    if TILE_MAX:
+        return tl.max(tl.max(finite_abs(t), axis=1), axis=0)
+    return 0.0
 
 
 def _grid_args(fmt, prefix: str, out: torch.Tensor) -> dict:
@@ -324,14 +358,26 @@ def _grid_args_of(fmt, prefix: str, out_dtype: torch.dtype) -> dict:
 
 
 def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int | None, col_cols: int | None,
-                              amax: torch.Tensor | None = None):
+                              amax: torch.Tensor | None = None, history=None):
     """Per-tensor quantization of 2-D ``x`` (any strides) as rows (R, row_cols) with ``row_fmt`` and/or as
     columns, transposed, (C, col_cols) with ``col_fmt``: one pass for the finite absmax (none when ``amax``, x's
     finite absmax as finite_absmax gives it, is passed), one that reads each element once and writes both copies.
+    ``history`` (nn.delayed.AmaxHistory, not with ``amax``): delayed scaling, the scale from the history and x's
+    absmax recorded by the same pass, which is all the work where the history covers x's absmax; where it does
+    not (the first call, a jump) a second launch quantizes again with x's own.
     A format of None skips that copy. Returns ((values, scale) or None, (values, scale) or None), each equal to
-    operands.quantize_operand_ref(..., "tensor") of x or of x.t()."""
+    operands.quantize_operand_ref(..., "tensor") of x or of x.t() (with the amax history.take_ref gives)."""
     R, C = x.shape
-    amax = finite_absmax(x) if amax is None else amax
+    if history is not None and amax is not None:
+        raise ValueError("amax or history, not both")
+    delayed = history is not None
+    hist, offset, write, zero = x, 0, 0, 0  # unused unless delayed
+    if delayed:
+        offset, write, zero = history.advance()
+        hist = history.bits
+        amax = hist  # unused pointer
+    elif amax is None:
+        amax = finite_absmax(x)
     rows = cols = None
     dummy = amax
     if row_fmt is not None:
@@ -348,12 +394,22 @@ def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int |
     block_r, block_c = tune["block_r"], tune["block_c"]
     if max(R, rp) and max(C, cp):
         grid = (cdiv(max(R, rp), block_r), cdiv(max(C, cp), block_c))
-        launcher(_quant_tensor_kernel)(
-            grid, x, amax, *(rows or (dummy, dummy)), *(cols or (dummy, dummy)), R, C, rp, cp, x.stride(0), x.stride(1),
-            ROWS=rows is not None, **_grid_args(row_fmt or get_format("e4m3"), "R_", rows[0] if rows else dummy),
-            COLS=cols is not None, **_grid_args(col_fmt or get_format("e4m3"), "C_", cols[0] if cols else dummy),
-            BLOCK_R=block_r, BLOCK_C=block_c, ON_GPU=not interpreted(), num_warps=tune["num_warps"])
-    else:  # nothing to read: the scales of an all-zero tensor
+        args = (x, amax, *(rows or (dummy, dummy)), *(cols or (dummy, dummy)), R, C, rp, cp, x.stride(0), x.stride(1),
+                hist, offset, write, zero)
+        e4m3 = get_format("e4m3")  # the format of a copy not written: any
+        consts = dict(ROWS=rows is not None, **_grid_args(row_fmt or e4m3, "R_", rows[0] if rows else dummy),
+                      COLS=cols is not None, **_grid_args(col_fmt or e4m3, "C_", cols[0] if cols else dummy),
+                      BLOCK_R=block_r, BLOCK_C=block_c, ON_GPU=not interpreted(),
+                      N_SLOTS=history.slots if delayed else 1,
+                      SLOTS_P2=next_power_of_2(history.slots) if delayed else 1, num_warps=tune["num_warps"])
+        launch = launcher(_quant_tensor_kernel)
+        launch(grid, *args, DELAYED=delayed, REDO=False, **consts)
+        if delayed:  # where x's own absmax exceeds the history's (a no-op launch otherwise)
+            launch(grid, *args, DELAYED=False, REDO=True, **consts)
+    else:  # nothing to read: the scales of an all-zero tensor (delayed: of the history, which records a zero)
+        if delayed:
+            amax = history.window_amax(write, zero)
+            hist.view(-1)[offset + zero] = 0
         for out, fmt in ((rows, row_fmt), (cols, col_fmt)):
             if out is not None:
                 out[0].zero_()

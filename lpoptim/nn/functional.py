@@ -28,11 +28,12 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _save_x_for_dw(x2: torch.Tensor, r: Recipe) -> Operand:
-    """x (M, K) -> xᵀ (K, M padded) quantized along tokens: the dW GEMM's second operand."""
+def _save_x_for_dw(x2: torch.Tensor, r: Recipe, hx=None) -> Operand:
+    """x (M, K) -> xᵀ (K, M padded) quantized along tokens: the dW GEMM's second operand. ``hx``: x's amax
+    history (delayed scaling, per tensor)."""
     if r.backward == "int4split":
         return quantize_operand(x2.t(), "int4_sym", "row", r.hadamard_block)
-    return quantize_operand(x2.t(), r.bwd_fmt, r.backward_granularity)
+    return quantize_operand(x2.t(), r.bwd_fmt, r.backward_granularity, history=hx)
 
 
 def _quantize_wt(w, r: Recipe, w_stat) -> Operand:
@@ -63,23 +64,26 @@ def _fp4_forward_and_xt(x2, w, r: Recipe, out_dtype):
     return y, quantize_operand(x2.t(), r.bwd_fmt, "tensor", amax=x_amax), w_amax
 
 
-def _fp8_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, dx_dtype, dw_dtype, w_stat=None):
+def _fp8_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, dx_dtype, dw_dtype, w_stat=None,
+                  hg=None):
+    """``hg``: dy's amax history (delayed scaling, per tensor), taken once: by whichever quantization comes first."""
     dx = dw = None
     gq = gt = None
-    if need_dx and need_dw:  # dy and dyᵀ: two passes over dy, not three (or four, per tensor)
-        gq, gt = quantize_operand_and_transpose(g2, r.grad_fmt, r.grad_fmt, granularity=r.backward_granularity)
+    gran = r.backward_granularity
+    if need_dx and need_dw:  # dy and dyᵀ: two passes over dy, not three (or four, per tensor); one with hg
+        gq, gt = quantize_operand_and_transpose(g2, r.grad_fmt, r.grad_fmt, granularity=gran, history=hg)
     if need_dw:  # first: its operands are ready, so the GPU starts a GEMM while the host prepares Wᵀ
-        gt = gt or quantize_operand(g2.t(), r.grad_fmt, r.backward_granularity)  # (N, M padded like xt)
+        gt = gt or quantize_operand(g2.t(), r.grad_fmt, gran, history=hg)  # (N, M padded like xt)
         dw = gemm(gt, xt, dw_dtype)
         gt = None  # freed before Wᵀ and dx are made: the peak stays below what it was with dx first
     if need_dx:
-        gq = gq or quantize_operand(g2, r.grad_fmt, r.backward_granularity)    # (M, N)
+        gq = gq or quantize_operand(g2, r.grad_fmt, gran, history=None if need_dw else hg)    # (M, N)
         dx = gemm(gq, _quantize_wt(w, r, w_stat), dx_dtype)
     return dx, dw
 
 
 def _int4split_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, dx_dtype, dw_dtype,
-                        w_stat=None):
+                        w_stat=None, hg=None):
     """dy as INT8 (after a Hadamard along the contraction dim) split into two INT4 halves, the other operand INT4.
     ``w_stat`` is the fp8 backward's (W's statistic from the forward); the INT4 weight here is Hadamard-mixed."""
     dx = dw = None
@@ -99,7 +103,8 @@ class _LowBitLinearFunction(torch.autograd.Function):
     """The eager path: forward and backward of one recipe (subclasses define the forward GEMM)."""
 
     @staticmethod
-    def forward_gemm(x2, w, r: Recipe, out_dtype: torch.dtype) -> torch.Tensor:
+    def forward_gemm(x2, w, r: Recipe, out_dtype: torch.dtype, hx=None) -> torch.Tensor:
+        """y = x2 Wᵀ; ``hx``: x's amax history, for a forward that quantizes x per tensor (fp8)."""
         raise NotImplementedError
 
     @staticmethod
@@ -118,18 +123,18 @@ class _LowBitLinearFunction(torch.autograd.Function):
         return (dw if factor is None else dw * factor).to(w.dtype)
 
     @staticmethod
-    def forward_gemm_and_xt(x2, w, r: Recipe, out_dtype: torch.dtype):
+    def forward_gemm_and_xt(x2, w, r: Recipe, out_dtype: torch.dtype, hx=None):
         """(y, xᵀ operand, W's statistic or None) where computing them together pays; (None, None, None) leaves
         xᵀ to _save_x_for_dw. The statistic lets the backward quantize Wᵀ in one pass (_quantize_wt)."""
         return None, None, None
 
     @staticmethod
-    def forward(ctx, x, w, bias, r: Recipe, out_dtype: torch.dtype, grad_enabled: bool):
+    def forward(ctx, x, w, bias, r: Recipe, out_dtype: torch.dtype, grad_enabled: bool, histories=None):
         # grad mode is off inside forward: the caller says whether a backward can follow (no xᵀ under no_grad)
         want_xt = grad_enabled and w.requires_grad
-        y, xt, w_stat = lowbit_forward(_flat(x), w, bias, r, out_dtype, want_xt)
+        y, xt, w_stat = lowbit_forward(_flat(x), w, bias, r, out_dtype, want_xt, histories)
         # no x.shape on ctx: a symbolic shape there breaks torch 2.11's Dynamo (gy has x's leading dims)
-        ctx.recipe, ctx.x_dtype, ctx.has_bias = r, x.dtype, bias is not None
+        ctx.recipe, ctx.x_dtype, ctx.has_bias, ctx.histories = r, x.dtype, bias is not None, histories
         ctx.has_xt, ctx.has_w_stat = xt is not None, w_stat is not None
         ctx.save_for_backward(w, *((xt.values, xt.scale) if xt is not None else ()),
                               *((w_stat,) if w_stat is not None else ()))
@@ -142,30 +147,36 @@ class _LowBitLinearFunction(torch.autograd.Function):
         w_stat = saved[-1] if ctx.has_w_stat else None
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dx, dw, db = lowbit_backward(_flat(gy), w, xt, w_stat, ctx.recipe, need_dx, need_dw,
-                                     need_db and ctx.has_bias, ctx.x_dtype)
-        return None if dx is None else dx.reshape(*gy.shape[:-1], w.shape[1]), dw, db, None, None, None
+                                     need_db and ctx.has_bias, ctx.x_dtype, ctx.histories)
+        return None if dx is None else dx.reshape(*gy.shape[:-1], w.shape[1]), dw, db, None, None, None, None
 
 
-def lowbit_forward(x2, w, bias, r: Recipe, out_dtype: torch.dtype, want_xt: bool):
+def lowbit_forward(x2, w, bias, r: Recipe, out_dtype: torch.dtype, want_xt: bool, histories=None):
     """y = x2 Wᵀ + b in ``out_dtype`` with the recipe's forward GEMM, and (when ``want_xt``) the saved xᵀ operand
     for dW and W's statistic for the backward's Wᵀ (fp8: per row on CUDA its column maxima, per tensor its absmax;
-    fp4_fast: its absmax; else None)."""
+    fp4_fast: its absmax; else None). ``histories``: (x's, dy's) nn.delayed.AmaxHistory for delayed scaling;
+    x's is taken by the one per-tensor quantization of x that has none of its own statistics (fp4_fast's xᵀ
+    comes with x's absmax from the row quantizer)."""
     fn = FUNCTIONS[r.fwd_fmt]
+    hx = histories[0] if histories is not None else None
     y = xt = w_stat = None
     if want_xt:
-        y, xt, w_stat = fn.forward_gemm_and_xt(x2, w, r, out_dtype)
+        y, xt, w_stat = fn.forward_gemm_and_xt(x2, w, r, out_dtype, hx)
     if y is None:
-        y = fn.forward_gemm(x2, w, r, out_dtype)
+        y = fn.forward_gemm(x2, w, r, out_dtype, hx)
     if bias is not None:
         y = y + bias.to(y.dtype)
     if want_xt and xt is None:
-        xt = _save_x_for_dw(x2, r)
+        # x per tensor in the forward (fp8 with a row backward) took the history there
+        forward_took_it = r.fwd_fmt == "e4m3" and r.granularity == "tensor"
+        xt = _save_x_for_dw(x2, r, None if forward_took_it else hx)
     return y.to(out_dtype), xt, w_stat
 
 
 def lowbit_backward(g2, w, xt: Operand | None, w_stat, r: Recipe, need_dx: bool, need_dw: bool, need_db: bool,
-                    x_dtype: torch.dtype):
-    """(dx2, dW, db), None where not needed: the backward GEMMs of the recipe; dW needs the saved xᵀ."""
+                    x_dtype: torch.dtype, histories=None):
+    """(dx2, dW, db), None where not needed: the backward GEMMs of the recipe; dW needs the saved xᵀ.
+    ``histories``: as lowbit_forward's (dy's is taken here)."""
     need_dw = need_dw and xt is not None
     with torch.autocast(g2.device.type, enabled=False):
         bwd = _int4split_backward if r.backward == "int4split" else _fp8_backward
@@ -175,7 +186,8 @@ def lowbit_backward(g2, w, xt: Operand | None, w_stat, r: Recipe, need_dx: bool,
         # it is asked for (operands.gemm), so asking for fp32 would only add a cast and twice the bytes to read
         if fn.has_weight_grad_factor(r) and not (use_kernels(g2) and r.backward_granularity == "row"):
             dw_dtype = torch.float32
-        dx, dw = bwd(g2, w, xt, r, need_dx, need_dw, x_dtype, dw_dtype, w_stat)
+        dx, dw = bwd(g2, w, xt, r, need_dx, need_dw, x_dtype, dw_dtype, w_stat,
+                     histories[1] if histories is not None else None)
         if dw is not None:
             dw = fn.finish_weight_grad(dw, w, r)
         if dx is not None:
@@ -186,12 +198,13 @@ def lowbit_backward(g2, w, xt: Operand | None, w_stat, r: Recipe, need_dx: bool,
 
 class Fp8LinearFunction(_LowBitLinearFunction):
     @staticmethod
-    def forward_gemm(x2, w, r, out_dtype):
-        return gemm(quantize_operand(x2, r.fwd_fmt, r.granularity), quantize_operand(w, r.fwd_fmt, r.granularity),
-                    out_dtype, r.fast_accum)
+    def forward_gemm(x2, w, r, out_dtype, hx=None):
+        hx = hx if r.granularity == "tensor" else None
+        return gemm(quantize_operand(x2, r.fwd_fmt, r.granularity, history=hx),
+                    quantize_operand(w, r.fwd_fmt, r.granularity), out_dtype, r.fast_accum)
 
     @staticmethod
-    def forward_gemm_and_xt(x2, w, r, out_dtype):
+    def forward_gemm_and_xt(x2, w, r, out_dtype, hx=None):
         if r.backward == "int4split" or r.backward_granularity != r.granularity:
             return None, None, None
         # the small weight first (its kernels are short: the host issues x's behind them), then x for the forward
@@ -201,7 +214,8 @@ class Fp8LinearFunction(_LowBitLinearFunction):
         else:  # W's absmax, taken once: its transposed copy in the backward has the same scale
             w_stat = tensor_amax(w)
             wq = quantize_operand(w, r.fwd_fmt, "tensor", amax=w_stat)
-        xq, xt = quantize_operand_and_transpose(x2, r.fwd_fmt, r.bwd_fmt, granularity=r.granularity)
+        xq, xt = quantize_operand_and_transpose(x2, r.fwd_fmt, r.bwd_fmt, granularity=r.granularity,
+                                                history=hx if r.granularity == "tensor" else None)
         return gemm(xq, wq, out_dtype, r.fast_accum), xt, w_stat
 
 
@@ -209,7 +223,7 @@ class Fp4LinearFunction(_LowBitLinearFunction):
     """E2M1 forward with outlier clamping (OCC), DGE on the weight gradient; backward GEMMs in FP8."""
 
     @staticmethod
-    def forward_gemm(x2, w, r, out_dtype):
+    def forward_gemm(x2, w, r, out_dtype, hx=None):
         resid = None
         if r.occ_alpha is not None:
             x2, resid = occ_split(x2, r.occ_alpha, r.occ_sample)
@@ -226,7 +240,7 @@ class Fp4LinearFunction(_LowBitLinearFunction):
         return (gemm(xq, wq) + residual_matmul(resid, w)).to(out_dtype)
 
     @staticmethod
-    def forward_gemm_and_xt(x2, w, r, out_dtype):
+    def forward_gemm_and_xt(x2, w, r, out_dtype, hx=None):
         # per-row E2M1 without outlier clamping or power-of-two blocks (fp4_fast): the fused 4-bit path
         if r.occ_alpha is not None or r.fp4_block or r.granularity != "row":
             return None, None, None
@@ -262,7 +276,7 @@ class Int4LinearFunction(_LowBitLinearFunction):
     """INT4 (-7..7) after a block-diagonal Hadamard along in-features; it cancels in the product."""
 
     @staticmethod
-    def forward_gemm(x2, w, r, out_dtype):
+    def forward_gemm(x2, w, r, out_dtype, hx=None):
         b = pick_block(w.shape[1], r.hadamard_block)
         wq = quantize_operand(w, r.fwd_fmt, "row", b)  # the small weight first: the host issues x's behind it
         return gemm(quantize_operand(x2, r.fwd_fmt, "row", b), wq, out_dtype)
@@ -273,8 +287,12 @@ FUNCTIONS = {"e4m3": Fp8LinearFunction, "e2m1": Fp4LinearFunction, "int4_sym": I
 
 
 def lowbit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype | None = None, histories=None) -> torch.Tensor:
     """The functional form: y = x Wᵀ + b with the recipe's low-bit GEMMs, forward and backward.
+
+    ``histories``: (x's, dy's) nn.delayed.AmaxHistory, which a recipe with scaling="delayed" needs (LowBitLinear
+    keeps them). Under torch.compile delayed scaling is not applied: scales are current (Inductor fuses the absmax
+    into the ops around it) and the histories are left as they are.
 
     Eager: an autograd Function with lpoptim's Triton quantizers. Under torch.compile the fp8 recipes trace the
     same Function through the reference's torch ops (Inductor generates and fuses the quantizers; its fp32
@@ -287,9 +305,14 @@ def lowbit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     # Python launches); the others run as opaque custom ops. torch 2.11's Dynamo fails an assertion when it
     # retraces the Function with feature dims made symbolic (one compiled function seeing several layer widths);
     # torch 2.13 does not (tests/test_linear_compile.py)
-    if torch.compiler.is_compiling() and recipe.fwd_fmt != "e4m3":
-        from .compiled import lowbit_linear_op
-        return lowbit_linear_op(x, weight, bias, recipe, out_dtype)
+    if torch.compiler.is_compiling():
+        histories = None  # current scaling (see above)
+        if recipe.fwd_fmt != "e4m3":
+            from .compiled import lowbit_linear_op
+            return lowbit_linear_op(x, weight, bias, recipe, out_dtype)
+    elif recipe.scaling == "delayed" and histories is None:
+        raise ValueError(f"recipe {recipe.name!r} uses delayed scaling, which keeps per-layer state: use "
+                         "LowBitLinear (or convert_linears), or pass histories=")
     fn = FUNCTIONS[recipe.fwd_fmt]
     with torch.autocast(x.device.type, enabled=False):
-        return fn.apply(x, weight, bias, recipe, out_dtype, torch.is_grad_enabled())
+        return fn.apply(x, weight, bias, recipe, out_dtype, torch.is_grad_enabled(), histories)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .delayed import GRAD, X, AmaxHistory, new_history
 from .functional import lowbit_linear
 from .recipes import Recipe, get_recipe
 
@@ -27,6 +28,7 @@ class LowBitLinear(nn.Linear):
         check_dims(in_features, out_features)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = get_recipe(recipe, **recipe_overrides)
+        self.reset_amax_history()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: str | Recipe = "fp8", **recipe_overrides) -> "LowBitLinear":
@@ -37,10 +39,30 @@ class LowBitLinear(nn.Linear):
         m.weight = linear.weight
         m.bias = linear.bias
         m.train(linear.training)
+        m.reset_amax_history()  # on the weight's device, not meta
         return m
 
+    def reset_amax_history(self) -> None:
+        """Delayed scaling (recipe.scaling == "delayed"): forget the recorded absmax values, so the next
+        quantization of x and of dy scales by its own. The history is a buffer (it follows .to() and .cuda()) kept
+        out of the state_dict, which stays nn.Linear's: a loaded layer starts its history afresh."""
+        self.__dict__.pop("amax_history", None)  # a plain attribute (None) when the recipe had no history
+        if self.recipe.scaling != "delayed":
+            self.register_buffer("amax_history", None, persistent=False)
+            return
+        self.register_buffer("amax_history", new_history(self.recipe.amax_history, self.weight.device),
+                             persistent=False)
+        self._amax_calls = [0, 0]  # quantizations of x and of dy so far (on the host: no synchronization)
+
+    def _histories(self):
+        if self.recipe.scaling != "delayed" or torch.compiler.is_compiling():  # compiled: current scaling
+            return None
+        if self.amax_history is None or self.amax_history.shape[1] != self.recipe.amax_history + 2:
+            self.reset_amax_history()  # the recipe was changed after construction
+        return tuple(AmaxHistory(self.amax_history, self._amax_calls, role) for role in (X, GRAD))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return lowbit_linear(x, self.weight, self.bias, self.recipe)
+        return lowbit_linear(x, self.weight, self.bias, self.recipe, histories=self._histories())
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}"

@@ -92,15 +92,23 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     return finite_absmax(x.float())
 
 
+def _check_history(history, amax, granularity: str, hadamard_block=None) -> None:
+    if history is not None and (amax is not None or granularity != "tensor" or hadamard_block):
+        raise ValueError("history (delayed scaling): per-tensor scaling without amax or a Hadamard block only")
+
+
 def quantize_operand(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block: int | None = None,
-                     pad_to: int = 16, amax: torch.Tensor | None = None) -> Operand:
+                     pad_to: int = 16, amax: torch.Tensor | None = None, history=None) -> Operand:
     """Quantize the rows of 2-D ``x`` (any strides: pass ``t.t()`` to quantize columns, output transposed).
 
     Columns are zero-padded to a multiple of ``pad_to`` and of the Hadamard block (zeros change no GEMM result).
     ``amax``: per tensor, x's finite absmax (tensor_amax) when already known; the result is the same.
+    ``history`` (nn.delayed.AmaxHistory): per tensor, delayed scaling: the scale from the history (values beyond
+    it saturate) and x's absmax recorded there.
     """
     if x.dim() != 2:
         raise ValueError(f"expected a 2-D tensor, got shape {tuple(x.shape)}")
+    _check_history(history, amax, granularity, hadamard_block)
     if amax is not None and (granularity != "tensor" or hadamard_block):
         raise ValueError("amax: per-tensor scaling without a Hadamard block only")
     if amax is not None and (amax.numel() != 1 or amax.dtype != torch.float32 or amax.device != x.device):
@@ -110,43 +118,47 @@ def quantize_operand(x: torch.Tensor, fmt, granularity: str = "row", hadamard_bl
     if use_kernels(x) and granularity == "tensor" and not hadamard_block:  # rows of x, or columns of x.t()
         from ..kernels.linear_quant import quantize_tensor_rows_cols
         if not x.is_contiguous() and x.t().is_contiguous():  # x.t(): read along its contiguous dimension
-            return Operand(*quantize_tensor_rows_cols(x.t(), None, fmt, None, cols, amax)[1])
-        return Operand(*quantize_tensor_rows_cols(x, fmt, None, cols, None, amax)[0])
+            return Operand(*quantize_tensor_rows_cols(x.t(), None, fmt, None, cols, amax, history)[1])
+        return Operand(*quantize_tensor_rows_cols(x, fmt, None, cols, None, amax, history)[0])
     if use_kernels(x):
         from ..kernels.linear_quant import quantize_rows
         values, scale = quantize_rows(x, fmt, granularity, hadamard_block, cols)
         return Operand(values, scale)
+    if history is not None:
+        amax = history.take_ref(x)
     return quantize_operand_ref(x, fmt, granularity, hadamard_block, cols, amax)
 
 
 def quantize_operand_and_transpose(x: torch.Tensor, row_fmt, col_fmt, pad_to: int = 16,
-                                   granularity: str = "row") -> tuple[Operand, Operand]:
+                                   granularity: str = "row", history=None) -> tuple[Operand, Operand]:
     """quantize_operand(x, row_fmt) and quantize_operand(x.t(), col_fmt): the same two operands, on CUDA in two
     passes over x instead of three. Per row: the row pass leaves the column maxima for a one-pass column
     quantizer (kernels.linear_quant.quantize_rows_and_cols); per tensor: the absmax, then one pass writing both
-    copies (quantize_tensor_rows_cols)."""
+    copies (quantize_tensor_rows_cols); with ``history`` (delayed scaling, quantize_operand) that one pass alone."""
     if x.dim() != 2:
         raise ValueError(f"expected a 2-D tensor, got shape {tuple(x.shape)}")
+    _check_history(history, None, granularity)
     row_cols, col_cols = padded(x.shape[1], pad_to), padded(x.shape[0], pad_to)
     if use_kernels(x) and x.is_contiguous():
         from ..kernels import linear_quant as lq
         if granularity == "tensor":
-            rows, cols = lq.quantize_tensor_rows_cols(x, row_fmt, col_fmt, row_cols, col_cols)
+            rows, cols = lq.quantize_tensor_rows_cols(x, row_fmt, col_fmt, row_cols, col_cols, history=history)
         else:
             rows, cols = lq.quantize_rows_and_cols(x, get_format(row_fmt), get_format(col_fmt), row_cols, col_cols)
         return Operand(*rows), Operand(*cols)
+    amax = history.take_ref(x) if history is not None else None  # once for both copies
     if granularity == "tensor" and get_format(row_fmt) is get_format(col_fmt):
         # one scale and one grid: xᵀ's codes are x's, transposed; rounded once (what Inductor compiles: one
         # reduction, then one pass writing both copies, as torchao's transposed FP8 copy)
         fmt = get_format(row_fmt)
         x32 = x.float()
-        scale = tensor_or_row_scale(x32, fmt, "tensor")
+        scale = tensor_or_row_scale(x32, fmt, "tensor", amax)
         q = round_for_cast(x32 / scale, fmt)
         dtype = container_dtype(fmt)
         return (Operand(F.pad(q, (0, row_cols - x.shape[1])).to(dtype), scale),
                 Operand(F.pad(q.t(), (0, col_cols - x.shape[0])).to(dtype).contiguous(), scale))
-    return (quantize_operand(x, row_fmt, granularity, None, pad_to),
-            quantize_operand(x.t(), col_fmt, granularity, None, pad_to))
+    return (quantize_operand(x, row_fmt, granularity, None, pad_to, amax),
+            quantize_operand(x.t(), col_fmt, granularity, None, pad_to, amax))
 
 
 def quantize_operand_keep_col_max(x: torch.Tensor, fmt, pad_to: int = 16) -> tuple[Operand, torch.Tensor | None]:

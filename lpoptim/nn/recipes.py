@@ -31,6 +31,12 @@ class Recipe:
     # backward GEMMs to the tensor-wise FP8 kernel, faster on Hopper than the row-wise one
     bwd_granularity: str | None = None
     fast_accum: bool = False       # fp8 forward GEMM with Hopper's fast accumulation (torchao's default there)
+    # per-tensor scales of x and dy: "current" (each tensor's own absmax, a pass of its own) or "delayed" (the
+    # largest absmax of the operand's last ``amax_history`` quantizations, recorded by the quantizing pass itself:
+    # Transformer Engine's DelayedScaling; nn/delayed.py). Delayed applies to the per-tensor quantizations of x
+    # (the fp8 forward, the saved xᵀ) and of dy; weights keep current scaling. Needs the layer's state: LowBitLinear
+    scaling: str = "current"
+    amax_history: int = 16
     # fp4 (Wang et al. 2025, arXiv 2501.17116)
     fp4_block: int | None = None   # None: per-token/per-channel scales; 32: blocks with power-of-two scales
     dge_k: float | None = None     # differentiable gradient estimator exponent (None: straight-through)
@@ -65,6 +71,8 @@ BY_KEY: dict[str, Recipe] = {}  # Recipe.key -> recipe
 FP8 = Recipe("fp8")
 FP8_TENSOR = Recipe("fp8_tensor", granularity="tensor")
 FP8_TENSOR_FAST = Recipe("fp8_tensor_fast", granularity="tensor", fast_accum=True)  # torchao's tensorwise default
+# fp8_tensor with delayed scaling: no absmax pass over x or dy (docs/linear.md)
+FP8_DELAYED = Recipe("fp8_delayed", granularity="tensor", scaling="delayed")
 FP4 = Recipe("fp4", fwd_fmt="e2m1", dge_k=5.0, dge_cap=3.0, occ_alpha=0.99)
 FP4_BLOCK = Recipe("fp4_block32", fwd_fmt="e2m1", fp4_block=32, dge_k=5.0, dge_cap=3.0, occ_alpha=0.99)
 # the fp8 backward per tensor: measured 1.08-1.13x faster than per row on an H100 (docs/linear.md), error bounds
@@ -75,7 +83,7 @@ FP4_FAST = Recipe("fp4_fast", fwd_fmt="e2m1", dge_k=5.0, dge_cap=3.0, bwd_granul
 INT4 = Recipe("int4", fwd_fmt="int4_sym", hadamard_block=128, bwd_granularity="tensor")
 INT4_SPLIT = Recipe("int4_split", fwd_fmt="int4_sym", hadamard_block=128, backward="int4split")
 
-RECIPES = {r.name: r for r in (FP8, FP8_TENSOR, FP8_TENSOR_FAST, FP4, FP4_BLOCK, FP4_FAST, INT4, INT4_SPLIT)}
+RECIPES = {r.name: r for r in (FP8, FP8_TENSOR, FP8_TENSOR_FAST, FP8_DELAYED, FP4, FP4_BLOCK, FP4_FAST, INT4, INT4_SPLIT)}
 
 
 def get_recipe(recipe: str | Recipe, **overrides) -> Recipe:
@@ -97,6 +105,13 @@ def get_recipe(recipe: str | Recipe, **overrides) -> Recipe:
     if recipe.fast_accum and recipe.fwd_fmt != "e4m3":
         raise ValueError("fast_accum is for the fp8 recipes: it drops accumulator bits, so 4-bit GEMMs would no "
                          "longer be exact")
+    if recipe.scaling not in ("current", "delayed"):
+        raise ValueError(f"scaling must be 'current' or 'delayed', got {recipe.scaling!r}")
+    if recipe.scaling == "delayed" and (recipe.backward != "fp8" or recipe.backward_granularity != "tensor"):
+        raise ValueError("scaling='delayed' scales x and dy per tensor: it needs backward='fp8' with "
+                         "bwd_granularity='tensor' (or granularity='tensor')")
+    if recipe.amax_history < 1:
+        raise ValueError(f"amax_history must be at least 1, got {recipe.amax_history}")
     if recipe.hadamard_block is not None and recipe.hadamard_block & (recipe.hadamard_block - 1):
         raise ValueError(f"hadamard_block must be a power of two, got {recipe.hadamard_block}")
     return recipe

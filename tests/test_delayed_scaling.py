@@ -1,0 +1,230 @@
+"""Delayed per-tensor scaling (nn/delayed.py): the history's semantics in torch, the one-pass Triton quantizer
+against it (interpreter on the CPU, compiled on the GPU), and the layer's state as a drop-in nn.Linear keeps it."""
+import pytest
+import torch
+import torch.nn as nn
+
+from lpoptim.nn.delayed import GRAD, X, AmaxHistory, new_history
+from lpoptim.nn.functional import lowbit_linear
+from lpoptim.nn.linear import LowBitLinear
+from lpoptim.nn.operands import quantize_operand_ref
+from lpoptim.nn.recipes import get_recipe
+from lpoptim.quant import finite_absmax
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _history(length=2, device="cpu"):
+    return AmaxHistory(new_history(length, device), [0, 0], X)
+
+
+def test_reference_window_is_the_last_length_quantizations():
+    h = _history(length=2)
+    amaxes = [1.0, 5.0, 2.0, 3.0, 0.5, 0.25]
+    used = []
+    for a in amaxes:
+        x = torch.full((3, 4), -a)
+        x[0, 0] = float("nan")  # non-finite values never set a scale
+        used.append(h.take_ref(x).item())
+    # the largest of its own and the (up to) two before it
+    assert used == [1.0, 5.0, 5.0, 5.0, 3.0, 3.0]
+    assert h.calls == [6, 0]
+    dy = AmaxHistory(h.bits, h.calls, GRAD)  # the other row is untouched by x's quantizations
+    assert dy.take_ref(torch.full((2, 2), 7.0)).item() == 7.0 and h.calls == [6, 1]
+
+
+def test_a_smaller_tensor_takes_the_history_scale_a_larger_its_own():
+    h = _history(length=4)
+    h.take_ref(torch.full((4, 8), 2.0))  # the history says amax 2
+    x = torch.linspace(-1, 1, 32).reshape(4, 8)
+    q = quantize_operand_ref(x, "e4m3", "tensor", amax=h.take_ref(x))
+    assert q.scale.item() == pytest.approx(2 / 448)  # the history's range: x uses half of E4M3's
+    assert q.values.float().abs().max().item() == 224
+    x = x * 3  # beyond the history: never saturated, its own scale
+    q = quantize_operand_ref(x, "e4m3", "tensor", amax=h.take_ref(x))
+    assert q.scale.item() == pytest.approx(3 / 448) and q.values.float().abs().max().item() == 448
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmts", [("e4m3", "e4m3"), ("e5m2", "e5m2"), ("e4m3", None), (None, "e4m3")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_pass_kernel_matches_the_reference_over_calls(device, fmts, dtype):
+    """The kernel (interpreted on the CPU) scales from the history and records x's absmax in the same pass:
+    codes, scales and the history itself equal the reference's, call after call, the ring wrapping around."""
+    if device == "cpu" and torch.cuda.is_available():
+        pytest.skip("interpreter test; the GPU runs the compiled kernel")
+    import lpoptim.kernels.linear_quant as lq
+
+    row_fmt, col_fmt = fmts
+    hk, hr = _history(3, device), _history(3, "cpu")
+    g = torch.Generator().manual_seed(0)
+    for step, mult in enumerate([1.0, 4.0, 0.5, 2.0, 8.0, 0.25, 1.0]):
+        x = (torch.randn(37, 70, generator=g) * mult).to(dtype)
+        x[3, 5] = float("inf") if step == 2 else x[3, 5]
+        rows, cols = lq.quantize_tensor_rows_cols(x.to(device), row_fmt, col_fmt, 80 if row_fmt else None,
+                                                  48 if col_fmt else None, history=hk)
+        amax = hr.take_ref(x)
+        for got, fmt, src, width in ((rows, row_fmt, x, 80), (cols, col_fmt, x.t(), 48)):
+            if fmt is None:
+                assert got is None
+                continue
+            ref = quantize_operand_ref(src, fmt, "tensor", None, width, amax)
+            assert torch.equal(got[0].float().cpu(), ref.values.float()), (step, fmt)
+            assert torch.equal(got[1].cpu(), ref.scale), step
+        assert torch.equal(hk.bits.cpu(), hr.bits), step
+    assert hk.calls == hr.calls == [7, 0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_input_keeps_the_history_consistent(device):
+    import lpoptim.kernels.linear_quant as lq
+    if device == "cpu" and torch.cuda.is_available():
+        pytest.skip("interpreter test")
+    hk, hr = _history(2, device), _history(2, "cpu")
+    for x in (torch.randn(8, 16) * 3, torch.zeros(0, 16), torch.randn(8, 16), torch.zeros(0, 16)):
+        rows, cols = lq.quantize_tensor_rows_cols(x.to(device), "e4m3", "e4m3", 16, 16 * (x.shape[0] > 0),
+                                                  history=hk)
+        amax = hr.take_ref(x)
+        assert torch.equal(rows[1].cpu(), quantize_operand_ref(x, "e4m3", "tensor", amax=amax).scale)
+        assert torch.equal(hk.bits.cpu(), hr.bits)
+
+
+def _pair(recipe_a, recipe_b, device="cpu", seed=0):
+    torch.manual_seed(seed)
+    lin = nn.Linear(64, 48, device=device)
+    a = LowBitLinear.from_linear(lin, recipe_a)
+    lin_b = nn.Linear(64, 48, device=device)
+    lin_b.load_state_dict(lin.state_dict())
+    return a, LowBitLinear.from_linear(lin_b, recipe_b)
+
+
+def _step(m, x, gy):
+    x = x.clone().requires_grad_()
+    y = m(x)
+    y.backward(gy)
+    grads = x.grad, m.weight.grad.clone(), m.bias.grad.clone()
+    m.weight.grad = m.bias.grad = None
+    return y.detach(), grads
+
+
+def _cos(a, b):
+    return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_layer_first_step_is_current_scaling_then_as_accurate():
+    """Against fp32: delayed scaling's errors stay within fp8_tensor's bounds (tests/test_linear.py) and near
+    current scaling's own (the two round independently, so they are compared with fp32, not with each other)."""
+    delayed, current = _pair("fp8_delayed", "fp8_tensor")
+    exact = nn.Linear(64, 48)
+    exact.load_state_dict(current.state_dict())
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        x, gy = torch.randn(2, 30, 64, generator=g), torch.randn(2, 30, 48, generator=g)
+        yd, gd = _step(delayed, x, gy)
+        yc, gc = _step(current, x, gy)
+        y0, g0 = _step(exact, x, gy)
+        if step == 0:  # no history yet: each tensor's own absmax, exactly fp8_tensor
+            assert torch.equal(yd, yc) and all(torch.equal(a, b) for a, b in zip(gd, gc))
+        for bound, d, c, e in zip((0.05, 0.08, 0.09, 1e-5), (yd, *gd), (yc, *gc), (y0, *g0)):
+            assert _rel(d, e) < bound and _rel(d, e) < 1.3 * _rel(c, e) + 1e-6, (step, _rel(d, e), _rel(c, e))
+    assert delayed._amax_calls == [4, 4]
+    assert delayed.amax_history.view(torch.float32)[:, :4].gt(0).all()
+
+
+def test_layer_meets_a_jump_with_its_own_scale():
+    m, current = _pair("fp8_delayed", "fp8_tensor")
+    x = torch.randn(30, 64)
+    _step(m, x, torch.randn(30, 48))
+    y, _ = _step(m, x * 100, torch.randn(30, 48))  # x jumps beyond its history: quantized with its own scale,
+    yc, _ = _step(current, x * 100, torch.randn(30, 48))  # as current scaling does (W is per tensor in both)
+    assert torch.equal(y, yc)
+    y, _ = _step(m, x, torch.randn(30, 48))  # and back: the history's larger scale, a little coarser
+    yc, _ = _step(current, x, torch.randn(30, 48))
+    assert not torch.equal(y, yc) and _cos(y, yc) > 0.99
+    x_amax = m.amax_history[X].view(torch.float32)
+    assert x_amax.max().item() == pytest.approx(finite_absmax(x * 100).item())
+    assert m.amax_history[GRAD].view(torch.float32)[:3].gt(0).all()
+
+
+def test_layer_state_is_a_buffer_outside_the_state_dict():
+    m, plain = _pair("fp8_delayed", "fp8_tensor")
+    assert list(m.state_dict()) == list(nn.Linear(64, 48).state_dict()) == ["weight", "bias"]
+    assert plain.amax_history is None
+    assert m.amax_history.shape == (2, 18) and m.amax_history.dtype == torch.int32
+    _step(m, torch.randn(5, 64), torch.randn(5, 48))
+    assert m.amax_history.any()
+    m.reset_amax_history()
+    assert not m.amax_history.any() and m._amax_calls == [0, 0]
+    m2 = LowBitLinear(64, 48, recipe="fp8_delayed", amax_history=4)
+    assert m2.amax_history.shape == (2, 6)
+    m2.load_state_dict(m.state_dict())  # loads like an nn.Linear
+    m2.recipe = get_recipe("fp8_delayed", amax_history=8)  # a changed recipe gets a history of its length
+    _step(m2, torch.randn(5, 64), torch.randn(5, 48))
+    assert m2.amax_history.shape == (2, 10) and m2._amax_calls == [1, 1]
+
+
+def test_no_grad_forward_counts_only_x():
+    m, _ = _pair("fp8_delayed", "fp8_tensor")
+    with torch.no_grad():
+        m(torch.randn(5, 64))
+    assert m._amax_calls == [1, 0]
+
+
+def test_int4_takes_the_history_for_its_saved_x_and_dy():
+    m, ref = _pair("int4", "int4", seed=2)
+    m.recipe = get_recipe("int4", scaling="delayed")
+    g = torch.Generator().manual_seed(3)
+    for step in range(3):
+        x, gy = torch.randn(40, 64, generator=g), torch.randn(40, 48, generator=g)
+        yd, gd = _step(m, x, gy)
+        yc, gc = _step(ref, x, gy)
+        assert torch.equal(yd, yc)  # the forward is per row: no history
+        if step == 0:
+            assert all(torch.equal(a, b) for a, b in zip(gd, gc))
+        assert all(_cos(a, b) > 0.99 for a, b in zip(gd, gc))  # both a few % from fp32, independently
+    assert m._amax_calls == [3, 3]
+
+
+def test_clear_errors():
+    with pytest.raises(ValueError, match="delayed scaling, which keeps per-layer state"):
+        lowbit_linear(torch.randn(4, 16), torch.randn(16, 16), None, get_recipe("fp8_delayed"))
+    with pytest.raises(ValueError, match="bwd_granularity='tensor'"):
+        get_recipe("fp8", scaling="delayed")
+    with pytest.raises(ValueError, match="scaling must be"):
+        get_recipe("fp8_tensor", scaling="later")
+    with pytest.raises(ValueError, match="amax_history"):
+        get_recipe("fp8_delayed", amax_history=0)
+
+
+def test_compiled_layer_uses_current_scaling_and_leaves_the_history():
+    """Under torch.compile the fp8 recipes are traced into Inductor's kernels, which fuse the absmax into the ops
+    around it: the compiled layer computes fp8_tensor's result and does not touch the history."""
+    torch._dynamo.reset()
+    delayed, current = _pair("fp8_delayed", "fp8_tensor")
+    x, gy = torch.randn(2, 20, 64), torch.randn(2, 20, 48)
+    y, grads = _step(torch.compile(delayed, backend="aot_eager", fullgraph=True), x, gy)
+    yc, gc = _step(current, x, gy)
+    assert torch.equal(y, yc) and all(torch.equal(a, b) for a, b in zip(grads, gc))
+    assert delayed._amax_calls == [0, 0] and not delayed.amax_history.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_layer_on_gpu_keeps_the_cpu_reference_history():
+    """Several bf16 steps on the GPU (Triton quantizer, _scaled_mm) against the CPU reference fed the same values:
+    the same recorded absmax values, bit for bit, and results within bf16 rounding."""
+    gpu, _ = _pair("fp8_delayed", "fp8_tensor", device="cuda")
+    cpu = LowBitLinear.from_linear(nn.Linear(64, 48), "fp8_delayed")
+    cpu.load_state_dict({k: v.cpu() for k, v in gpu.state_dict().items()})
+    g = torch.Generator().manual_seed(4)
+    for mult in (1.0, 3.0, 0.5, 1.0):
+        x = (torch.randn(2, 40, 64, generator=g) * mult).to(torch.bfloat16)
+        gy = torch.randn(2, 40, 48, generator=g).to(torch.bfloat16)
+        y, grads = _step(gpu, x.cuda(), gy.cuda())
+        yc, gc = _step(cpu, x.float(), gy.float())
+        assert _rel(y.float().cpu(), yc) < 0.02 and all(_rel(a.float().cpu(), b) < 0.02 for a, b in zip(grads, gc))
+        assert torch.equal(gpu.amax_history.cpu(), cpu.amax_history)
