@@ -151,9 +151,9 @@ TUNING = {"rows": dict(block_r=16, block_c=256, num_warps=4), "from_max": dict(b
           # (also for the transposed copy alone, xᵀ / Wᵀ: a tile of its own won alone but not in the layers,
           # docs/results/quant_tune_tensor_cols_h100.txt)
           "tensor": dict(block_r=32, block_c=256, num_warps=8),
-          # the same with delayed scaling (nn/delayed.py): ``tiles`` column tiles a program, so that fewer programs
-          # take the maximum into the one history slot (8192 same-address atomics on 16384 x 4096 at one tile)
-          "tensor_delayed": dict(block_r=32, block_c=256, num_warps=8, tiles=8),
+          # delayed scaling's second launch (quantizing again where x's absmax is beyond its history): programs
+          # per SM, each looping over tiles, so that the launch that finds nothing to do ends at once
+          "redo_per_sm": 4,
           # with a block Hadamard (the tile's columns are one Hadamard block): rows per program for its tl.dot
           "hadamard": dict(block_r=64, num_warps=8),
           # rows held whole (quantize_rows without a Hadamard or column maxima, x's rows contiguous, at most
@@ -277,7 +277,7 @@ def _quant_tensor_kernel(x_ptr, amax_ptr, row_ptr, row_scale_ptr, col_ptr, col_s
                          C_E4M3: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ON_GPU: tl.constexpr,
                          DELAYED: tl.constexpr, REDO: tl.constexpr, N_SLOTS: tl.constexpr,
-                         SLOTS_P2: tl.constexpr, TILES: tl.constexpr):
+                         SLOTS_P2: tl.constexpr):
     """A (BLOCK_R, BLOCK_C) tile of x scaled by one per-tensor scale: written as rows (R, CP) and/or as columns,
     transposed, (C, RP), zero-padded. The scales (amax / FMAX) are worked out from the finite absmax: x's own at
     ``amax_ptr``, or with DELAYED the largest in x's history ring (nn/delayed.py: N_SLOTS int32 slots from
@@ -289,8 +289,6 @@ def _quant_tensor_kernel(x_ptr, amax_ptr, row_ptr, row_scale_ptr, col_ptr, col_s
     The columns' copy loads the tile again, transposed (from L1/L2: DRAM sees x once), so that each store runs
     along its tile's own dimension 1, as the one-pass column quantizer does. Storing the rows' tile through
     transposed addresses instead gave wrong codes for fp32 input on an H100 (triton 3.6), bf16 right."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
     if DELAYED or REDO:
         s = tl.arange(0, SLOTS_P2)
         window = (s < N_SLOTS) & (s != W_SLOT) & (s != Z_SLOT)  # the slot being written and the one being zeroed
@@ -299,33 +297,38 @@ def _quant_tensor_kernel(x_ptr, amax_ptr, row_ptr, row_scale_ptr, col_ptr, col_s
         amax = tl.load(amax_ptr)
     if REDO:  # after the DELAYED pass: x's own absmax is in slot W_SLOT; beyond the history's, x is quantized
         own = tl.load(hist_ptr + HIST_OFFSET + W_SLOT).to(tl.float32, bitcast=True)  # again with its own scale
-        if own > amax:
-            for t in tl.static_range(TILES):
-                cols = (tl.program_id(1) * TILES + t) * BLOCK_C + tl.arange(0, BLOCK_C)
+        if own > amax:  # a few programs per SM, looping over the tiles: where nothing is redone, they end at once
+            n_c = tl.cdiv(tl.maximum(C, CP), BLOCK_C)
+            for tile in range(tl.program_id(0), tl.cdiv(tl.maximum(R, RP), BLOCK_R) * n_c, tl.num_programs(0)):
+                rows = (tile // n_c) * BLOCK_R + tl.arange(0, BLOCK_R)
+                cols = (tile % n_c) * BLOCK_C + tl.arange(0, BLOCK_C)
                 if ROWS:
                     _quantize_store(x_ptr, rows, cols, stride_r, stride_c, R, C, row_ptr, CP, row_scale_ptr, own,
-                                    first, R_FMAX, R_INT, R_MAN, R_EMIN, R_QMIN, R_QMAX, R_NATIVE, R_E4M3, ON_GPU, False)
+                                    tile == 0, R_FMAX, R_INT, R_MAN, R_EMIN, R_QMIN, R_QMAX, R_NATIVE, R_E4M3, ON_GPU,
+                                    False)
                 if COLS:
                     _quantize_store(x_ptr, cols, rows, stride_c, stride_r, C, R, col_ptr, RP, col_scale_ptr, own,
-                                    first, C_FMAX, C_INT, C_MAN, C_EMIN, C_QMIN, C_QMAX, C_NATIVE, C_E4M3, ON_GPU, False)
+                                    tile == 0, C_FMAX, C_INT, C_MAN, C_EMIN, C_QMIN, C_QMAX, C_NATIVE, C_E4M3, ON_GPU,
+                                    False)
     else:
-        run_max = 0.0
-        for t in tl.static_range(TILES):  # TILES column tiles a program: one atomic for them all
-            cols = (tl.program_id(1) * TILES + t) * BLOCK_C + tl.arange(0, BLOCK_C)
-            if ROWS:
-                m = _quantize_store(x_ptr, rows, cols, stride_r, stride_c, R, C, row_ptr, CP, row_scale_ptr, amax,
-                                    first, R_FMAX, R_INT, R_MAN, R_EMIN, R_QMIN, R_QMAX, R_NATIVE, R_E4M3, ON_GPU,
-                                    DELAYED)
-                run_max = tl.maximum(run_max, m)
-            if COLS:  # the same elements as the rows' tile: their maximum is taken once, here without rows
-                m = _quantize_store(x_ptr, cols, rows, stride_c, stride_r, C, R, col_ptr, RP, col_scale_ptr, amax,
-                                    first, C_FMAX, C_INT, C_MAN, C_EMIN, C_QMIN, C_QMAX, C_NATIVE, C_E4M3, ON_GPU,
-                                    DELAYED and not ROWS)
-                run_max = tl.maximum(run_max, m)
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+        tile_max = 0.0
+        if ROWS:
+            tile_max = _quantize_store(x_ptr, rows, cols, stride_r, stride_c, R, C, row_ptr, CP, row_scale_ptr, amax,
+                                       first, R_FMAX, R_INT, R_MAN, R_EMIN, R_QMIN, R_QMAX, R_NATIVE, R_E4M3, ON_GPU,
+                                       DELAYED)
+        if COLS:  # the same elements as the rows' tile: their maximum is taken once, here only without rows
+            col_max = _quantize_store(x_ptr, cols, rows, stride_c, stride_r, C, R, col_ptr, RP, col_scale_ptr, amax,
+                                      first, C_FMAX, C_INT, C_MAN, C_EMIN, C_QMIN, C_QMAX, C_NATIVE, C_E4M3, ON_GPU,
+                                      DELAYED and not ROWS)
+            if not ROWS:
+                tile_max = col_max
         if DELAYED:
             # relaxed: the kernel's end orders it for the next launch; the default acq_rel would first wait for
             # this program's stores
-            tl.atomic_max(hist_ptr + HIST_OFFSET + W_SLOT, run_max.to(tl.int32, bitcast=True), sem="relaxed")
+            tl.atomic_max(hist_ptr + HIST_OFFSET + W_SLOT, tile_max.to(tl.int32, bitcast=True), sem="relaxed")
             if first:
                 tl.store(hist_ptr + HIST_OFFSET + Z_SLOT, 0)
 
@@ -348,6 +351,13 @@ def _quantize_store(x_ptr, a, b, stride_a, stride_b, A, B, out_ptr, OUT_W, scale
     if TILE_MAX:
         return tl.max(tl.max(finite_abs(t), axis=1), axis=0)
     return 0.0
+
+
+@functools.cache
+def _redo_programs(device: torch.device) -> int:
+    if interpreted() or device.type != "cuda":
+        return 4  # the interpreter pays per program
+    return TUNING["redo_per_sm"] * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _grid_args(fmt, prefix: str, out: torch.Tensor) -> dict:
@@ -384,7 +394,7 @@ def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int |
     if delayed:
         offset, write, zero = history.advance()
         hist = history.bits
-        amax = hist  # unused pointer
+        amax = x  # an unused pointer; not the history: the interpreter copies aliased arguments back in turn
     elif amax is None:
         amax = finite_absmax(x)
     rows = cols = None
@@ -399,22 +409,22 @@ def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int |
                 torch.empty((), device=x.device, dtype=torch.float32))
     rp = col_cols if cols else R
     cp = row_cols if rows else C
-    tune = TUNING["tensor_delayed" if delayed else "tensor"]
-    block_r, block_c, tiles = tune["block_r"], tune["block_c"], tune.get("tiles", 1)
+    tune = TUNING["tensor"]
+    block_r, block_c = tune["block_r"], tune["block_c"]
     if max(R, rp) and max(C, cp):
-        grid = (cdiv(max(R, rp), block_r), cdiv(cdiv(max(C, cp), block_c), tiles))
+        grid = (cdiv(max(R, rp), block_r), cdiv(max(C, cp), block_c))
         args = (x, amax, *(rows or (dummy, dummy)), *(cols or (dummy, dummy)), R, C, rp, cp, x.stride(0), x.stride(1),
                 hist, offset, write, zero)
         e4m3 = get_format("e4m3")  # the format of a copy not written: any
         consts = dict(ROWS=rows is not None, **_grid_args(row_fmt or e4m3, "R_", rows[0] if rows else dummy),
                       COLS=cols is not None, **_grid_args(col_fmt or e4m3, "C_", cols[0] if cols else dummy),
-                      BLOCK_R=block_r, BLOCK_C=block_c, TILES=tiles, ON_GPU=not interpreted(),
+                      BLOCK_R=block_r, BLOCK_C=block_c, ON_GPU=not interpreted(),
                       N_SLOTS=history.slots if delayed else 1,
                       SLOTS_P2=next_power_of_2(history.slots) if delayed else 1, num_warps=tune["num_warps"])
         launch = launcher(_quant_tensor_kernel)
         launch(grid, *args, DELAYED=delayed, REDO=False, **consts)
         if delayed:  # where x's own absmax exceeds the history's (a no-op launch otherwise)
-            launch(grid, *args, DELAYED=False, REDO=True, **consts)
+            launch((min(grid[0] * grid[1], _redo_programs(x.device)),), *args, DELAYED=False, REDO=True, **consts)
     else:  # nothing to read: the scales of an all-zero tensor (delayed: of the history, which records a zero)
         if delayed:
             amax = history.window_amax(write, zero)
