@@ -2,7 +2,10 @@
 torch._scaled_mm against the emulated GEMM, and the layers against the CPU reference path."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from lpoptim.kernels.grid import div_rn_by
 from lpoptim.nn import LowBitLinear
 from lpoptim.nn.operands import FALLBACKS, gemm, quantize_operand, quantize_operand_ref
 
@@ -170,3 +173,31 @@ def test_whole_rows_kernel_matches_the_two_pass_kernel_on_gpu(monkeypatch, fmt, 
     two = lq.quantize_rows(x, fmt, "row", None, width, tensor_max=bits[1])
     assert torch.equal(bits[0], bits[1]) and bits[0].view(torch.float32) == 200.0
     assert torch.equal(whole[0].view(torch.uint8), two[0].view(torch.uint8)) and torch.equal(whole[1], two[1])
+
+
+@triton.jit
+def _division_kernel(t_ptr, s_ptr, fast_ptr, ref_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.program_id(1)
+    t = tl.load(t_ptr + offs, mask=offs < N)
+    s = tl.load(s_ptr + row)
+    tl.store(fast_ptr + row * N + offs, div_rn_by(t, s), mask=offs < N)
+    tl.store(ref_ptr + row * N + offs, tl.math.div_rn(t, tl.broadcast_to(s, t.shape)), mask=offs < N)
+
+
+def test_division_by_scale_is_div_rn_bit_for_bit():
+    """grid.div_rn_by, what the quantizers divide by their scale with, against the GPU's correctly rounded division:
+    every bf16 value and a million fp32 ones of all magnitudes, over scales from subnormal to huge."""
+    g = torch.Generator().manual_seed(0)
+    bf16 = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    wide = torch.randn(1 << 20, generator=g) * torch.exp2(torch.randint(-140, 120, (1 << 20,), generator=g).float())
+    t = torch.cat([bf16, wide, torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0, 1e-45, -1e-45])])
+    amax = torch.rand(40, generator=g) * torch.exp2(torch.randint(-130, 120, (40,), generator=g).float())
+    scales = torch.cat([amax / 448, amax / 6, amax / 7, torch.tensor([1.0, 0.5, 3.0, 1e-40, 1.4e-45, 1e-36, 3e37,
+                                                                       7.888609052210118e-31, 7.8886e-31])])
+    t, scales = t.cuda(), scales.cuda()
+    fast = torch.empty(len(scales), len(t), device="cuda")
+    ref = torch.empty_like(fast)
+    _division_kernel[(triton.cdiv(len(t), 1024), len(scales))](t, scales, fast, ref, len(t), BLOCK=1024)
+    same = (fast.view(torch.int32) == ref.view(torch.int32)) | (fast.isnan() & ref.isnan())
+    assert same.all(), (fast[~same][:5], ref[~same][:5], t.expand_as(fast)[~same][:5])
