@@ -5,6 +5,7 @@ import torch
 
 from lpoptim.kernels import launch
 from lpoptim.kernels.linear_quant import finite_absmax
+from lpoptim.nn.operands import quantize_operand_ref
 from lpoptim.quant import finite_absmax as reference_absmax
 
 
@@ -75,3 +76,26 @@ def test_cached_launch_matches_ordinary_launch_on_gpu():
     # x[:, 3:] starts 6 bytes in: a key of its own; x[7:] starts 7 * 1040 bytes in, 16-byte aligned, but 293 rows
     # make another grid, not another key; every other launch took the cached kernel
     assert len(firsts) == len(set(firsts)) == 2, firsts
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bound_launch_matches_ordinary_launch_on_gpu():
+    """launcher(k).bind(...): constexprs fixed once; the same kernels and results as the ordinary launch, cached per
+    device and argument key (a per-tensor quantizer, rows and columns, on aligned and unaligned views)."""
+    import lpoptim.kernels.linear_quant as lq
+    x = torch.randn(300, 528, device="cuda", dtype=torch.bfloat16)
+    lq._tensor_launchers.cache_clear()
+    for view in (x, x[:, 8:], x[:, 3:]):
+        amax = lq.finite_absmax(view)
+        for _ in range(2):
+            rows, cols = lq.quantize_tensor_rows_cols(view, "e4m3", "e5m2", 528, 304, amax)
+            ref_r, ref_c = (quantize_operand_ref(v, f, "tensor", None, w, amax)
+                            for v, f, w in ((view, "e4m3", 528), (view.t(), "e5m2", 304)))
+            assert torch.equal(rows[0].float(), ref_r.values.float()) and torch.equal(rows[1], ref_r.scale)
+            assert torch.equal(cols[0].float(), ref_c.values.float()) and torch.equal(cols[1], ref_c.scale)
+    main, _ = lq._tensor_launchers(lq.get_format("e4m3"), lq.get_format("e5m2"), 0, lq.TUNING["tensor"]["block_r"],
+                                   lq.TUNING["tensor"]["block_c"], lq.TUNING["tensor"]["num_warps"], False)
+    # one key per view: x[:, 8:] is 16-byte aligned but 520 wide (not a multiple of 16), x[:, 3:] starts 6 bytes in;
+    # the second call of each took the cached kernel
+    assert len(main.cache) == 3

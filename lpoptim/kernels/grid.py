@@ -45,9 +45,11 @@ def div_rn_by(t, s):
     correction rounds correctly (Markstein's theorem, 1/s correctly rounded). A quantizer that divided every element
     was bound by the division's instructions, not by memory (16384 x 4096 bf16, both copies: 104 against 99 us,
     and any further work per element, such as taking the absmax, added 45 us more: docs/linear.md).
-    Scales below 2^-100 are scaled up with t by 2^64 first (exact), so that 1/s stays a normal number; a residual
-    that is 0 (t = ±0: keeps zero's sign) or NaN (t = ±inf, NaN) leaves q as it was."""
-    k = tl.where(s < 7.888609052210118e-31, 18446744073709551616.0, 1.0)  # 2^-100, 2^64
+    A residual is exact (which the theorem needs) where |t| >= 2^-103; below, t / s is under 2^-43 — far below any
+    format's smallest code, and kept with its sign — unless s is tiny: scales below 2^-60 are scaled up with t by
+    2^64 first (exact), which keeps both t and 1/s in range. A residual that is 0 (t = ±0: keeps zero's sign) or
+    NaN (t = ±inf, NaN) leaves q as it was."""
+    k = tl.where(s < 8.673617379884035e-19, 18446744073709551616.0, 1.0)  # 2^-60, 2^64
     s = s * k
     r = tl.broadcast_to(tl.math.div_rn(1.0 + tl.zeros_like(s), s), t.shape)
     s = tl.broadcast_to(s, t.shape)

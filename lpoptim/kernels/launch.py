@@ -24,11 +24,16 @@ def _spec(args) -> tuple | None:
     are; floats by type. None for any other argument (a tuple, a tensor descriptor): Triton's own launch then."""
     spec = []
     for a in args:
-        if isinstance(a, torch.Tensor):
+        t = type(a)  # exact types first: isinstance chains were most of this function's time
+        if t is int:
+            spec.append((a == 1, not a & 15, -(1 << 31) <= a < (1 << 31), a < (1 << 63)))
+        elif t is torch.Tensor or isinstance(a, torch.Tensor):
             spec.append((a.dtype, not a.data_ptr() & 15))
-        elif a is None or isinstance(a, bool):
+        elif a is None or t is bool:
             spec.append(a)
-        elif isinstance(a, int):
+        elif t is float:
+            spec.append(float)
+        elif isinstance(a, int):  # an int subclass (bool is handled above)
             spec.append((a == 1, not a & 15, -(1 << 31) <= a < (1 << 31), a < (1 << 63)))
         elif isinstance(a, float):
             spec.append(float)
@@ -57,12 +62,13 @@ class _Launcher:
         hit = self.cache.get(key)
         if hit is None:
             return self._first(key, grid, args, num_warps, constexprs)
-        ck, consts = hit
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        ck.run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), ck.function, ck.packed_metadata,
-               None, None, None, *args, *consts)
-        return ck
+        return _run(hit, grid, device, args)
+
+    def bind(self, num_warps: int = 4, **constexprs) -> "_Bound":
+        """This launcher with its constexprs and warps fixed: ``bind(...)(grid, *args)`` launches as
+        ``self(grid, *args, num_warps=..., **constexprs)`` does, without hashing the constexprs on every call (for a
+        caller that keeps the bound launcher, one per configuration)."""
+        return _Bound(self, num_warps, constexprs)
 
     def _first(self, key, grid, args, num_warps, constexprs):
         ck = self.kernel[grid](*args, num_warps=num_warps, **constexprs)
@@ -70,6 +76,37 @@ class _Launcher:
             consts = tuple(constexprs.get(n, self.defaults[n]) for n in self.const_names)
             self.cache[key] = (ck, consts)
         return ck
+
+
+class _Bound:
+    def __init__(self, launcher: _Launcher, num_warps: int, constexprs: dict):
+        self.launcher, self.num_warps, self.constexprs = launcher, num_warps, constexprs
+        self.const_key = (num_warps, tuple(constexprs.items()))
+        self.cache: dict = {}  # (device, spec) -> (compiled kernel, constexpr values)
+
+    def __call__(self, grid, *args):
+        lau = self.launcher
+        spec = _spec(args) if lau.fast and not interpreted() and len(args) == lau.n_runtime else None
+        if spec is None or _triton_path_needed(lau.kernel):
+            return lau.kernel[grid](*args, num_warps=self.num_warps, **self.constexprs)
+        device = torch._C._cuda_getDevice()
+        hit = self.cache.get((device, spec))
+        if hit is None:
+            ck = lau._first((device, *self.const_key, spec), grid, args, self.num_warps, self.constexprs)
+            hit = lau.cache.get((device, *self.const_key, spec))
+            if hit is not None:
+                self.cache[(device, spec)] = hit
+            return ck
+        return _run(hit, grid, device, args)
+
+
+def _run(hit, grid, device: int, args):
+    """Launch a cached (compiled kernel, constexpr values) through the compiled kernel's own launcher."""
+    ck, consts = hit
+    ck.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+           torch._C._cuda_getCurrentRawStream(device), ck.function, ck.packed_metadata, None, None, None,
+           *args, *consts)
+    return ck
 
 
 def _knobs():
