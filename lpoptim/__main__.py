@@ -37,7 +37,8 @@ PRESETS = {
 }
 
 
-LINEAR_ALIASES = {"fp8t": "fp8_tensor", "fp8tf": "fp8_tensor_fast", "fp4f": "fp4_fast"}  # as lpoptim bench names them
+# as lpoptim bench names them
+LINEAR_ALIASES = {"fp8t": "fp8_tensor", "fp8tf": "fp8_tensor_fast", "fp8d": "fp8_delayed", "fp4f": "fp4_fast"}
 
 
 def parse_run(name: str) -> dict:
@@ -55,7 +56,7 @@ def parse_run(name: str) -> dict:
         elif p == "bf16":
             run["master"] = "bf16"
         else:
-            raise SystemExit(f"run {name!r}: unknown part {p!r} (fp8, fp8t, fp8tf, fp4, fp4f, int4, act, bf16)")
+            raise SystemExit(f"run {name!r}: unknown part {p!r} (fp8, fp8t, fp8tf, fp8d, fp4, fp4f, int4, act, bf16)")
     return run
 
 
