@@ -1,11 +1,14 @@
 """Tile shapes of the operand quantizer (lpoptim/kernels/linear_quant.py TUNING): achieved bandwidth per shape.
 
-    PYTHONPATH=$PWD python3 benchmarks/quant_tune.py [--modes rows,from_max,tensor,hadamard,absmax,whole]
+    PYTHONPATH=$PWD python3 benchmarks/quant_tune.py [--modes rows,from_max,tensor,hadamard,absmax,whole,delayed]
 
 Times quantize_rows per row ("rows"), the one-pass column quantizer with known scales ("from_max", as
 quantize_rows_and_cols runs it) and the per-tensor quantizer writing x and xᵀ ("tensor",
 quantize_tensor_rows_cols, its absmax pass included), INT4 after a block Hadamard of 128 ("hadamard"), and the finite absmax pass alone ("absmax", x read once) on bf16 tensors of the fp8 linears' sizes (x: 16384 x 4096,
 dy: 16384 x 11008), CUDA events, median of 20; bandwidth counts x read once and the fp8 copies written.
+"delayed" times the per-tensor quantizer with delayed scaling (nn/delayed.py) against current scaling, per
+programs-per-SM of its second launch: the history covering x (one pass and a launch that ends at once) and a fresh
+history every call (both launches quantize), and the transposed copy alone (int4's saved x).
 """
 import argparse
 import itertools
@@ -25,6 +28,37 @@ TILES = {"rows": ((16, 32, 64), (128, 256, 512)), "from_max": ((16, 32, 64), (12
          "tensor": ((32, 64, 128), (64, 128, 256)),
          "hadamard": ((16, 32, 64, 128), (128,)),  # INT4 after a Hadamard of 128: the tile's width is the block
          "absmax": ((8, 16, 32, 64), (128, 256, 512, 1024))}
+
+
+def delayed(x):
+    from lpoptim.nn.delayed import X, AmaxHistory, new_history
+
+    def fresh():
+        return AmaxHistory(new_history(16, "cuda"), [0, 0], X)
+
+    R, C = x.shape
+    big = x * 1.5  # recorded first, so that the history covers x
+    ms = {"current": back_to_back_ms(lambda: lq.quantize_tensor_rows_cols(x, "e4m3", "e4m3", C, R), 50)}
+    saved = dict(lq.TUNING["redo"])
+    for per_sm in (1, 2, 4, 8):
+        lq.TUNING["redo"]["per_sm"] = per_sm
+        lq._redo_programs.cache_clear()
+        h = fresh()
+        lq.quantize_tensor_rows_cols(big, "e4m3", "e4m3", C, R, history=h)
+        ms[f"delayed covered, {per_sm}/SM"] = back_to_back_ms(
+            lambda: lq.quantize_tensor_rows_cols(x, "e4m3", "e4m3", C, R, history=h), 50)
+        ms[f"delayed redone, {per_sm}/SM"] = back_to_back_ms(
+            lambda: lq.quantize_tensor_rows_cols(x, "e4m3", "e4m3", C, R, history=fresh()), 20)
+    lq.TUNING["redo"] = saved
+    lq._redo_programs.cache_clear()
+    ms["transposed copy alone, current"] = back_to_back_ms(
+        lambda: lq.quantize_tensor_rows_cols(x, None, "e4m3", None, R), 50)
+    h = fresh()
+    lq.quantize_tensor_rows_cols(big, None, "e4m3", None, R, history=h)
+    ms["transposed copy alone, delayed covered"] = back_to_back_ms(
+        lambda: lq.quantize_tensor_rows_cols(x, None, "e4m3", None, R, history=h), 50)
+    for k, v in ms.items():
+        print(f"delayed {R}x{C} {k:40s} {v * 1e3:8.1f} us", flush=True)
 
 
 def main():
@@ -51,7 +85,9 @@ def main():
                     label = "two-pass" if elems is None else f"whole elems={elems:5d} warps={nw:2d}"
                     print(f"{m}x{k} whole {fmt:8s} {label:28s} {ms:7.3f} ms  "
                           f"{x.numel() * 3 / ms / 1e6:6.0f} GB/s", flush=True)
-        for mode in (md for md in modes if md != "whole"):
+        if "delayed" in modes:
+            delayed(x)
+        for mode in (md for md in modes if md not in ("whole", "delayed")):
             for br, bc, nw in itertools.product(*TILES[mode], (4, 8)):
                 if br * bc // (32 * nw) > 128:  # fp32 tile elements per thread: beyond this it spills
                     continue

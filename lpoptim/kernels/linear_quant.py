@@ -155,8 +155,10 @@ TUNING = {"rows": dict(block_r=16, block_c=256, num_warps=4), "from_max": dict(b
           # docs/results/quant_tune_tensor_cols_h100.txt)
           "tensor": dict(block_r=32, block_c=256, num_warps=8),
           # delayed scaling's second launch (quantizing again where x's absmax is beyond its history): programs
-          # per SM, each looping over tiles, so that the launch that finds nothing to do ends at once
-          "redo_per_sm": 4,
+          # per SM, each looping over tiles, so that the launch that finds nothing to do ends at once. Measured
+          # (quant_tune --modes delayed, docs/results/quant/delayed_quantizer_tune_h100.txt): 113 us with the
+          # history covering x at 1 to 8 a SM; redone, 320 / 249 / 227 / 231 us at 1 / 2 / 4 / 8
+          "redo": dict(per_sm=4),
           # with a block Hadamard (the tile's columns are one Hadamard block): rows per program for its tl.dot
           "hadamard": dict(block_r=64, num_warps=8),
           # rows held whole (quantize_rows without a Hadamard or column maxima, x's rows contiguous, at most
@@ -376,7 +378,7 @@ def _tensor_launchers(row_fmt, col_fmt, slots: int, block_r: int, block_c: int, 
 def _redo_programs(device: torch.device) -> int:
     if interpreted() or device.type != "cuda":
         return 4  # the interpreter pays per program
-    return TUNING["redo_per_sm"] * torch.cuda.get_device_properties(device).multi_processor_count
+    return TUNING["redo"]["per_sm"] * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _grid_args(fmt, prefix: str, out: torch.Tensor) -> dict:

@@ -1,0 +1,53 @@
+"""Where the host time of an eager low-bit layer step goes: on 64 x 256 bf16 (the GPU keeps up, so the times are
+the host's own), perf_counter around forward and backward over 300 steps, then a cProfile of 300 steps.
+
+    PYTHONPATH=$PWD python3 benchmarks/host_step_profile.py [recipe]      # default fp8_delayed
+
+Measured on an H100 host: docs/results/host/host_pieces_ninth_h100.txt.
+"""
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lpoptim.nn import LowBitLinear  # noqa: E402
+
+
+def main(recipe: str = "fp8_delayed", n: int = 300):
+    dev = "cuda"
+    lin = torch.nn.Linear(256, 256, bias=False, device=dev, dtype=torch.bfloat16)
+    m = LowBitLinear.from_linear(lin, recipe)
+    x = torch.randn(64, 256, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(64, 256, device=dev, dtype=torch.bfloat16)
+    for _ in range(20):
+        m(x).backward(gy)
+    torch.cuda.synchronize()
+    f = b = 0.0
+    for i in range(n):
+        t0 = time.perf_counter()
+        y = m(x)
+        t1 = time.perf_counter()
+        y.backward(gy)
+        t2 = time.perf_counter()
+        f += t1 - t0
+        b += t2 - t1
+        if i % 50 == 0:
+            torch.cuda.synchronize()
+    print(f"{recipe}: forward {f / n * 1e6:.1f} us, backward {b / n * 1e6:.1f} us (host, per step)")
+    pr = cProfile.Profile()
+    pr.enable()
+    for i in range(n):
+        m(x).backward(gy)
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(45)
+    print(s.getvalue())
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:2])
