@@ -75,6 +75,23 @@ def test_one_pass_kernel_matches_the_reference_over_calls(device, fmts, dtype):
     assert hk.calls == hr.calls == [7, 0]
 
 
+def test_second_launch_loops_over_tiles(monkeypatch):
+    """The second launch's programs stride over the tiles: with one program it must redo every tile."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test")
+    import lpoptim.kernels.linear_quant as lq
+    monkeypatch.setattr(lq, "_redo_programs", lambda device: 1)
+    hk, hr = _history(2), _history(2)
+    g = torch.Generator().manual_seed(5)
+    for mult in (1.0, 4.0, 0.5):
+        x = torch.randn(70, 300, generator=g) * mult  # 3 x 2 tiles of 32 x 256
+        rows, cols = lq.quantize_tensor_rows_cols(x, "e4m3", "e4m3", 304, 80, history=hk)
+        amax = hr.take_ref(x)
+        assert torch.equal(rows[0].float(), quantize_operand_ref(x, "e4m3", "tensor", None, 304, amax).values.float())
+        assert torch.equal(cols[0].float(), quantize_operand_ref(x.t(), "e4m3", "tensor", None, 80, amax).values.float())
+        assert torch.equal(hk.bits, hr.bits)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_empty_input_keeps_the_history_consistent(device):
     import lpoptim.kernels.linear_quant as lq
@@ -150,28 +167,57 @@ def test_layer_meets_a_jump_with_its_own_scale():
     assert m.amax_history[GRAD].view(torch.float32)[:3].gt(0).all()
 
 
-def test_layer_state_is_a_buffer_outside_the_state_dict():
-    m, plain = _pair("fp8_delayed", "fp8_tensor")
+def test_layer_state_outside_the_state_dict():
+    m, _ = _pair("fp8_delayed", "fp8_tensor")
     assert list(m.state_dict()) == list(nn.Linear(64, 48).state_dict()) == ["weight", "bias"]
-    assert plain.amax_history is None
-    assert m.amax_history.shape == (2, 18) and m.amax_history.dtype == torch.int32
+    assert m.amax_history is None  # made by the first training step, on the weight's device
     _step(m, torch.randn(5, 64), torch.randn(5, 48))
-    assert m.amax_history.any()
+    assert m.amax_history.shape == (2, 18) and m.amax_history.dtype == torch.int32 and m.amax_history.any()
     m.reset_amax_history()
-    assert not m.amax_history.any() and m._amax_calls == [0, 0]
+    assert m.amax_history is None and m._amax_calls == [0, 0]
+    _step(m, torch.randn(5, 64), torch.randn(5, 48))
     m2 = LowBitLinear(64, 48, recipe="fp8_delayed", amax_history=4)
+    _step(m2, torch.randn(5, 64), torch.randn(5, 48))
     assert m2.amax_history.shape == (2, 6)
-    m2.load_state_dict(m.state_dict())  # loads like an nn.Linear
+    m2.load_state_dict(m.state_dict())  # loads like an nn.Linear; the history was of other weights
+    assert m2.amax_history is None and m2._amax_calls == [0, 0]
     m2.recipe = get_recipe("fp8_delayed", amax_history=8)  # a changed recipe gets a history of its length
     _step(m2, torch.randn(5, 64), torch.randn(5, 48))
     assert m2.amax_history.shape == (2, 10) and m2._amax_calls == [1, 1]
 
 
-def test_no_grad_forward_counts_only_x():
-    m, _ = _pair("fp8_delayed", "fp8_tensor")
+@pytest.mark.parametrize("how", ["to_empty", "assign"])
+def test_layer_built_on_meta_starts_a_clean_history(how):
+    """A model made on "meta" and materialized never runs on uninitialized history slots."""
+    src = nn.Linear(64, 48)
+    m = LowBitLinear(64, 48, recipe="fp8_delayed", device="meta")
+    if how == "to_empty":
+        m.to_empty(device="cpu")
+        m.load_state_dict(src.state_dict())
+    else:
+        m.load_state_dict(src.state_dict(), assign=True)
+    x = torch.randn(5, 64)
+    _step(m, x, torch.randn(5, 48))
+    assert m._amax_calls == [1, 1] and m.amax_history.device == m.weight.device
+    assert m.amax_history[X].view(torch.float32).max().item() == finite_absmax(x).item()
+
+
+def test_no_grad_forward_scales_currently_and_records_nothing():
+    m, current = _pair("fp8_delayed", "fp8_tensor")
+    x = torch.randn(5, 64)
+    _step(m, x * 10, torch.randn(5, 48))  # a history larger than x
     with torch.no_grad():
-        m(torch.randn(5, 64))
-    assert m._amax_calls == [1, 0]
+        y, yc = m(x), current(x)
+    assert torch.equal(y, yc) and m._amax_calls == [1, 1]  # evaluation: current scaling, nothing recorded
+
+
+def test_functional_form_ignores_histories_for_other_recipes():
+    m, _ = _pair("fp8_delayed", "fp8_tensor")
+    _step(m, torch.randn(5, 64), torch.randn(5, 48))
+    hist = m._histories()
+    x = torch.randn(5, 64, requires_grad=True)
+    lowbit_linear(x, m.weight, m.bias, get_recipe("fp8"), histories=hist).sum().backward()  # per row: no history
+    assert m._amax_calls == [1, 1]
 
 
 def test_int4_takes_the_history_for_its_saved_x_and_dy():
@@ -209,7 +255,7 @@ def test_compiled_layer_uses_current_scaling_and_leaves_the_history():
     y, grads = _step(torch.compile(delayed, backend="aot_eager", fullgraph=True), x, gy)
     yc, gc = _step(current, x, gy)
     assert torch.equal(y, yc) and all(torch.equal(a, b) for a, b in zip(grads, gc))
-    assert delayed._amax_calls == [0, 0] and not delayed.amax_history.any()
+    assert delayed._amax_calls == [0, 0] and delayed.amax_history is None
 
 
 @pytest.mark.gpu

@@ -413,7 +413,6 @@ def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int |
     delayed = history is not None
     hist, offset, write, zero = x, 0, 0, 0  # unused unless delayed
     if delayed:
-        offset, write, zero = history.advance()
         hist = history.bits
         amax = x  # an unused pointer; not the history: the interpreter copies aliased arguments back in turn
     elif amax is None:
@@ -432,6 +431,8 @@ def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int |
     cp = row_cols if rows else C
     tune = TUNING["tensor"]
     block_r, block_c = tune["block_r"], tune["block_c"]
+    if delayed:  # counted once nothing before the launch can fail, so that the ring's slots stay in step
+        offset, write, zero = history.advance()
     if max(R, rp) and max(C, cp):
         grid = (cdiv(max(R, rp), block_r), cdiv(max(C, cp), block_c))
         args = (x, amax, *(rows or (dummy, dummy)), *(cols or (dummy, dummy)), R, C, rp, cp, x.stride(0), x.stride(1),

@@ -23,8 +23,9 @@ def convert_linears(model: nn.Module, recipe: str | Recipe = "fp8", *,
                     skip: tuple[str, ...] = DEFAULT_SKIP, skip_tied: bool = True, **recipe_overrides) -> nn.Module:
     """Replace every nn.Linear of ``model`` (in place) by a LowBitLinear running ``recipe``; returns ``model``.
 
-    recipe: "fp8", "fp8_tensor", "fp4", "fp4_block32", "int4", "int4_split", or a Recipe; keyword overrides
-      change its fields (e.g. ``hadamard_block=64``, ``occ_alpha=None``).
+    recipe: "fp8", "fp8_tensor", "fp8_delayed", "fp4", "fp4_fast", "fp4_block32", "int4", "int4_split", or a
+      Recipe; keyword overrides change its fields (e.g. ``hadamard_block=64``, ``occ_alpha=None``,
+      ``scaling="delayed"``).
     Kept in high precision: layers whose last name component is in ``skip`` (the LM head), layers whose weight
       is shared with an nn.Embedding when ``skip_tied`` (a tied head), and layers with a feature dim not divisible
       by 16 (with a warning). Embeddings are not Linear and are never touched.

@@ -14,6 +14,12 @@ The history of one layer is a (2, length + 2) int32 buffer, x's ring in row 0 an
 values as fp32 bits (|x| orders as its bits, so integer atomics take the maximum). Quantization number n of an
 operand writes slot n % (length + 2) and zeroes slot (n + 1) % (length + 2); its scale comes from the other
 ``length`` slots, the absmax of quantizations n - 1 ... n - length (zeros where fewer happened).
+
+Limits. A forward recomputed under activation checkpointing records again: a step then takes two of x's slots (the
+window spans half as many steps), and the recomputed xᵀ may take a larger scale than the first forward's x did
+(both cover x; neither saturates). Forwards without grad (evaluation) use current scaling and record nothing. The
+slots are chosen on the host, so a layer must not quantize on two streams at once, and a captured CUDA graph
+replays the slots it was captured with (slot W then keeps the maximum of all replays): use current scaling there.
 """
 from __future__ import annotations
 

@@ -155,8 +155,8 @@ def lowbit_forward(x2, w, bias, r: Recipe, out_dtype: torch.dtype, want_xt: bool
     """y = x2 Wᵀ + b in ``out_dtype`` with the recipe's forward GEMM, and (when ``want_xt``) the saved xᵀ operand
     for dW and W's statistic for the backward's Wᵀ (fp8: per row on CUDA its column maxima, per tensor its absmax;
     fp4_fast: its absmax; else None). ``histories``: (x's, dy's) nn.delayed.AmaxHistory for delayed scaling;
-    x's is taken by the one per-tensor quantization of x that has none of its own statistics (fp4_fast's xᵀ
-    comes with x's absmax from the row quantizer)."""
+    x's is taken once, by the per-tensor quantization of x (fp8 per tensor: x and xᵀ together; per-row forwards:
+    the saved xᵀ), except fp4_fast's, whose xᵀ comes with x's absmax from the row quantizer (only dy is delayed)."""
     fn = FUNCTIONS[r.fwd_fmt]
     hx = histories[0] if histories is not None else None
     y = xt = w_stat = None
@@ -166,10 +166,8 @@ def lowbit_forward(x2, w, bias, r: Recipe, out_dtype: torch.dtype, want_xt: bool
         y = fn.forward_gemm(x2, w, r, out_dtype, hx)
     if bias is not None:
         y = y + bias.to(y.dtype)
-    if want_xt and xt is None:
-        # x per tensor in the forward (fp8 with a row backward) took the history there
-        forward_took_it = r.fwd_fmt == "e4m3" and r.granularity == "tensor"
-        xt = _save_x_for_dw(x2, r, None if forward_took_it else hx)
+    if want_xt and xt is None:  # (a delayed fp8 forward per tensor has its backward per tensor: xt came with it)
+        xt = _save_x_for_dw(x2, r, hx)
     return y.to(out_dtype), xt, w_stat
 
 
@@ -290,9 +288,10 @@ def lowbit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   out_dtype: torch.dtype | None = None, histories=None) -> torch.Tensor:
     """The functional form: y = x Wᵀ + b with the recipe's low-bit GEMMs, forward and backward.
 
-    ``histories``: (x's, dy's) nn.delayed.AmaxHistory, which a recipe with scaling="delayed" needs (LowBitLinear
-    keeps them). Under torch.compile delayed scaling is not applied: scales are current (Inductor fuses the absmax
-    into the ops around it) and the histories are left as they are.
+    ``histories``: (x's, dy's) nn.delayed.AmaxHistory, which a recipe with scaling="delayed" needs to train
+    (LowBitLinear keeps them); ignored by other recipes. Without grad (evaluation) a delayed recipe without
+    histories scales as current scaling does. Under torch.compile delayed scaling is not applied: scales are
+    current (Inductor fuses the absmax into the ops around it) and the histories are left as they are.
 
     Eager: an autograd Function with lpoptim's Triton quantizers. Under torch.compile the fp8 recipes trace the
     same Function through the reference's torch ops (Inductor generates and fuses the quantizers; its fp32
@@ -305,12 +304,14 @@ def lowbit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     # Python launches); the others run as opaque custom ops. torch 2.11's Dynamo fails an assertion when it
     # retraces the Function with feature dims made symbolic (one compiled function seeing several layer widths);
     # torch 2.13 does not (tests/test_linear_compile.py)
+    if recipe.scaling != "delayed":
+        histories = None
     if torch.compiler.is_compiling():
         histories = None  # current scaling (see above)
         if recipe.fwd_fmt != "e4m3":
             from .compiled import lowbit_linear_op
             return lowbit_linear_op(x, weight, bias, recipe, out_dtype)
-    elif recipe.scaling == "delayed" and histories is None:
+    elif recipe.scaling == "delayed" and histories is None and torch.is_grad_enabled():
         raise ValueError(f"recipe {recipe.name!r} uses delayed scaling, which keeps per-layer state: use "
                          "LowBitLinear (or convert_linears), or pass histories=")
     fn = FUNCTIONS[recipe.fwd_fmt]

@@ -39,27 +39,39 @@ class LowBitLinear(nn.Linear):
         m.weight = linear.weight
         m.bias = linear.bias
         m.train(linear.training)
-        m.reset_amax_history()  # on the weight's device, not meta
         return m
 
     def reset_amax_history(self) -> None:
-        """Delayed scaling (recipe.scaling == "delayed"): forget the recorded absmax values, so the next
-        quantization of x and of dy scales by its own. The history is a buffer (it follows .to() and .cuda()) kept
-        out of the state_dict, which stays nn.Linear's: a loaded layer starts its history afresh."""
-        self.__dict__.pop("amax_history", None)  # a plain attribute (None) when the recipe had no history
-        if self.recipe.scaling != "delayed":
-            self.register_buffer("amax_history", None, persistent=False)
-            return
-        self.register_buffer("amax_history", new_history(self.recipe.amax_history, self.weight.device),
-                             persistent=False)
+        """Delayed scaling (recipe.scaling == "delayed"): forget the recorded absmax values, so that the next
+        quantization of x and of dy scales by its own.
+
+        The history (``amax_history``, (2, amax_history + 2) int32, or None before the first training step) is made
+        on the weight's device by the first forward that records, not a buffer: the state_dict stays nn.Linear's,
+        data-parallel wrappers do not broadcast it, and a layer built on "meta" and materialized (``to_empty``,
+        ``load_state_dict(..., assign=True)``) never runs on uninitialized slots. Loading weights, moving the layer
+        to another device and ``reset_parameters`` start it afresh."""
+        self.amax_history = None
         self._amax_calls = [0, 0]  # quantizations of x and of dy so far (on the host: no synchronization)
 
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if hasattr(self, "recipe"):  # nn.Linear.__init__ calls this before the recipe is set
+            self.reset_amax_history()
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self.reset_amax_history()  # recorded for other weights
+
     def _histories(self):
-        if self.recipe.scaling != "delayed" or torch.compiler.is_compiling():  # compiled: current scaling
+        """(x's, dy's) AmaxHistory for a training step with delayed scaling; None for current scaling, which
+        compiled layers and forwards without grad (evaluation, inference) use: they record nothing."""
+        if self.recipe.scaling != "delayed" or torch.compiler.is_compiling() or not torch.is_grad_enabled():
             return None
-        if self.amax_history is None or self.amax_history.shape[1] != self.recipe.amax_history + 2:
-            self.reset_amax_history()  # the recipe was changed after construction
-        return tuple(AmaxHistory(self.amax_history, self._amax_calls, role) for role in (X, GRAD))
+        h = self.amax_history
+        if h is None or h.device != self.weight.device or h.shape[1] != self.recipe.amax_history + 2:
+            self.reset_amax_history()  # first use, a moved layer, or a recipe changed after construction
+            self.amax_history = h = new_history(self.recipe.amax_history, self.weight.device)
+        return tuple(AmaxHistory(h, self._amax_calls, role) for role in (X, GRAD))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return lowbit_linear(x, self.weight, self.bias, self.recipe, histories=self._histories())

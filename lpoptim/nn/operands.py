@@ -103,8 +103,8 @@ def quantize_operand(x: torch.Tensor, fmt, granularity: str = "row", hadamard_bl
 
     Columns are zero-padded to a multiple of ``pad_to`` and of the Hadamard block (zeros change no GEMM result).
     ``amax``: per tensor, x's finite absmax (tensor_amax) when already known; the result is the same.
-    ``history`` (nn.delayed.AmaxHistory): per tensor, delayed scaling: the scale from the history (values beyond
-    it saturate) and x's absmax recorded there.
+    ``history`` (nn.delayed.AmaxHistory): per tensor, delayed scaling: the scale from the larger of the history's
+    absmax and x's own (nothing saturates), and x's absmax recorded there.
     """
     if x.dim() != 2:
         raise ValueError(f"expected a 2-D tensor, got shape {tuple(x.shape)}")

@@ -33,8 +33,9 @@ class Recipe:
     fast_accum: bool = False       # fp8 forward GEMM with Hopper's fast accumulation (torchao's default there)
     # per-tensor scales of x and dy: "current" (each tensor's own absmax, a pass of its own) or "delayed" (the
     # largest absmax of the operand's last ``amax_history`` quantizations, recorded by the quantizing pass itself:
-    # Transformer Engine's DelayedScaling; nn/delayed.py). Delayed applies to the per-tensor quantizations of x
-    # (the fp8 forward, the saved xᵀ) and of dy; weights keep current scaling. Needs the layer's state: LowBitLinear
+    # Transformer Engine's DelayedScaling, without its saturation; nn/delayed.py). Delayed applies to the per-tensor
+    # quantizations of x (the fp8 forward, the saved xᵀ; not fp4_fast's, whose absmax comes free) and of dy;
+    # weights keep current scaling. Needs the layer's state: LowBitLinear keeps it
     scaling: str = "current"
     amax_history: int = 16
     # fp4 (Wang et al. 2025, arXiv 2501.17116)
