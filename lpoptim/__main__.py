@@ -117,13 +117,14 @@ def cmd_train(args) -> int:
     print(f"\ncharacter-level GPT ({preset['n_layer']} layers, {preset['n_embd']} dims, {preset['steps']} steps) on "
           f"{Path(args.text).name if args.text else 'tinyshakespeare'}, {device}"
           f"{' (' + torch.cuda.get_device_name() + ')' if device == 'cuda' else ''}, torch {torch.__version__}, seed {args.seed}")
-    print(f"| {'run':40s} | train loss | val loss | best val | val vs first | state B/param (quantized) | seconds |")
-    print(f"|{'-' * 42}|-----------:|---------:|---------:|-------------:|--------------------------:|--------:|")
+    w = max(40, *(len(r["label"]) for r in results))  # the run column, as wide as its longest label
+    print(f"| {'run':{w}s} | train loss | val loss | best val | val vs first | state B/param (quantized) | seconds |")
+    print(f"|{'-' * (w + 2)}|-----------:|---------:|---------:|-------------:|--------------------------:|--------:|")
     for r in results:
         best = min(v for _, v in r["val_curve"])
         sb = r["state_bytes"]
         quant = f"{sb['bytes_per_param']:.2f} ({sb['quantized_bytes_per_param']:.3f})" if sb["quantized_params"] else f"{sb['bytes_per_param']:.2f}"
-        print(f"| {r['label']:40s} | {r['train']:10.4f} | {r['val']:8.4f} | {best:8.4f} | "
+        print(f"| {r['label']:{w}s} | {r['train']:10.4f} | {r['val']:8.4f} | {best:8.4f} | "
               f"{100 * (r['val'] / base['val'] - 1):+11.2f}% | {quant:>25s} | {r['seconds']:7.1f} |")
     env = dict(bench.environment(), device=device)
     (out_dir / "train.json").write_text(json.dumps(dict(env=env, device=device, preset=preset, results=results), indent=1))
