@@ -104,3 +104,33 @@ def test_bound_launch_matches_ordinary_launch_on_gpu():
     # one key per view: x[:, 8:] is 16-byte aligned but 520 wide (not a multiple of 16), x[:, 3:] starts 6 bytes in;
     # the second call of each took the cached kernel (Triton's own launch three times, not six)
     assert len(main.cache) == 3 and len(firsts) == len(set(firsts)) == 3, firsts
+
+
+def test_zero_scalars_on_the_cpu_are_plain_zeros():
+    z = launch.zero_scalar(torch.device("cpu"))
+    assert z.shape == () and z.dtype == torch.int32 and z.item() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_zero_scalars_come_from_blocks_and_not_inside_graph_capture():
+    dev = torch.device("cuda")
+    a, b = launch.zero_scalar(dev), launch.zero_scalar(dev)
+    assert a.item() == b.item() == 0 and a.data_ptr() != b.data_ptr() and a.dtype == torch.int32
+    # the absmax pass takes one per call: distinct results stay distinct
+    x, y = torch.randn(64, 256, device=dev), torch.randn(64, 256, device=dev) * 3
+    assert finite_absmax(x).item() == x.abs().max().item() and finite_absmax(y).item() == y.abs().max().item()
+    # a captured graph zeroes its own scalar on every replay
+    static = torch.randn(64, 256, device=dev)
+    finite_absmax(static)  # compiled before capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(g, stream=stream):
+        out = finite_absmax(static)
+    torch.cuda.current_stream().wait_stream(stream)
+    for scale in (5.0, 1.0, 0.5):  # shrinking: a scalar left unzeroed would keep the larger maximum
+        static.copy_(torch.randn(64, 256, device=dev) * scale)
+        g.replay()
+        torch.cuda.synchronize()
+        assert out.item() == static.abs().max().item()

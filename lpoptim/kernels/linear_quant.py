@@ -24,7 +24,7 @@ from ..nn.operands import container_dtype
 from ..quant import absmax_scale
 from .grid import absmax_scale as _absmax_scale
 from .grid import div_rn_by, finite_abs, fp8_bits, interpreted, round_to_grid
-from .launch import cdiv, launcher, next_power_of_2
+from .launch import cdiv, launcher, next_power_of_2, zero_scalar
 
 @triton.jit
 def _load_hadamard(h_ptr, HB: tl.constexpr, BF16_DOT: tl.constexpr):
@@ -70,7 +70,7 @@ def finite_absmax(x: torch.Tensor) -> torch.Tensor:
     """quant.finite_absmax of 2-D ``x`` (any strides) as a 0-dim fp32 tensor: one read of x, no temporaries."""
     if not x.is_contiguous() and x.t().is_contiguous():
         x = x.t()  # the maximum does not care; the loads follow the contiguous dimension
-    bits = torch.zeros((), device=x.device, dtype=torch.int32)  # +0.0
+    bits = zero_scalar(x.device)  # +0.0
     R, C = x.shape
     if R and C:
         tune = TUNING["absmax"]

@@ -18,8 +18,8 @@ operand writes slot n % (length + 2) and zeroes slot (n + 1) % (length + 2); its
 Limits. A forward recomputed under activation checkpointing records again: a step then takes two of x's slots (the
 window spans half as many steps), and the recomputed xᵀ may take a larger scale than the first forward's x did
 (both cover x; neither saturates). Forwards without grad (evaluation) use current scaling and record nothing. The
-slots are chosen on the host, so a layer must not quantize on two streams at once, and a captured CUDA graph
-replays the slots it was captured with (slot W then keeps the maximum of all replays): use current scaling there.
+slots are chosen on the host, so a layer must not quantize on two streams at once; LowBitLinear uses current
+scaling while a CUDA graph is captured (a replay would reuse the captured slots).
 """
 from __future__ import annotations
 

@@ -64,9 +64,12 @@ class LowBitLinear(nn.Linear):
 
     def _histories(self):
         """(x's, dy's) AmaxHistory for a training step with delayed scaling; None for current scaling, which
-        compiled layers and forwards without grad (evaluation, inference) use: they record nothing."""
+        compiled layers, forwards without grad (evaluation, inference) and CUDA-graph captures use: they record
+        nothing."""
         if self.recipe.scaling != "delayed" or torch.compiler.is_compiling() or not torch.is_grad_enabled():
             return None
+        if self.weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None  # a captured graph would replay this call's slots: current scaling there
         h = self.amax_history
         if h is None or h.device != self.weight.device or h.shape[1] != self.recipe.amax_history + 2:
             self.reset_amax_history()  # first use, a moved layer, or a recipe changed after construction
