@@ -117,6 +117,7 @@ def test_zero_scalars_come_from_blocks_and_not_inside_graph_capture():
     dev = torch.device("cuda")
     a, b = launch.zero_scalar(dev), launch.zero_scalar(dev)
     assert a.item() == b.item() == 0 and a.data_ptr() != b.data_ptr() and a.dtype == torch.int32
+    assert not a.data_ptr() % 16 and not b.data_ptr() % 16  # aligned as fresh allocations are
     # the absmax pass takes one per call: distinct results stay distinct
     x, y = torch.randn(64, 256, device=dev), torch.randn(64, 256, device=dev) * 3
     assert finite_absmax(x).item() == x.abs().max().item() and finite_absmax(y).item() == y.abs().max().item()

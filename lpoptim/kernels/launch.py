@@ -154,10 +154,11 @@ class _ZeroScalars:
     allocation and a fill launch, 15-40 us of host time) each: views into blocks of ``BLOCK`` zeros, one
     ``torch.zeros`` a block, per device and stream (the block's fill is ordered before every use on its stream).
     A block is never zeroed again: a new one follows when it is used up, and the old one's memory goes back to
-    the allocator with the last view. While a CUDA graph is being captured, plain ``torch.zeros`` (the replays
-    must zero the scalar each time)."""
+    the allocator with the last view. Every fourth element is handed out, so that each scalar is 16-byte aligned
+    like a fresh allocation (the kernels' launch keys, and Triton's specializations, stay the same). While a CUDA
+    graph is being captured, plain ``torch.zeros`` (the replays must zero the scalar each time)."""
 
-    BLOCK = 4096
+    BLOCK = 4096  # int32 elements: 1024 scalars a block
 
     def __init__(self):
         self.blocks: dict = {}  # (device index, stream) -> [block, next index]
@@ -170,8 +171,8 @@ class _ZeroScalars:
         entry = self.blocks.get(key)
         if entry is None or entry[1] == self.BLOCK:
             entry = self.blocks[key] = [torch.zeros(self.BLOCK, device=device, dtype=torch.int32), 0]
-        entry[1] += 1
-        return entry[0][entry[1] - 1]
+        entry[1] += 4
+        return entry[0][entry[1] - 4]
 
 
 zero_scalar = _ZeroScalars().take
