@@ -10,9 +10,9 @@ the range; here a second pass quantizes the tensor again with its own scale, so 
 max(history, own absmax), never smaller than current scaling's. (Saturating made the CPU quality run's loss 1.3%
 worse than fp32, over the 1% the fp8 recipes must hold: tests/test_linear_quality.py.)
 
-The history of one layer is a (2, length + 2) int32 buffer, x's ring in row 0 and dy's in row 1, holding absmax
-values as fp32 bits (|x| orders as its bits, so integer atomics take the maximum). Quantization number n of an
-operand writes slot n % (length + 2) and zeroes slot (n + 1) % (length + 2); its scale comes from the other
+The history of one layer is a (2, length + 2) int32 tensor (LowBitLinear.amax_history), x's ring in row 0 and dy's
+in row 1, holding absmax values as fp32 bits (|x| orders as its bits, so integer atomics take the maximum).
+Quantization number n of an operand writes slot n % (length + 2) and zeroes slot (n + 1) % (length + 2); its scale comes from the other
 ``length`` slots, the absmax of quantizations n - 1 ... n - length (zeros where fewer happened).
 
 Limits. A forward recomputed under activation checkpointing records again: a step then takes two of x's slots (the
@@ -31,7 +31,7 @@ X, GRAD = 0, 1  # rows of the history buffer: the layer's input, and the gradien
 
 
 def new_history(length: int, device=None) -> torch.Tensor:
-    """The (2, length + 2) int32 buffer of one layer (zeros: no quantization yet)."""
+    """The (2, length + 2) int32 history of one layer (zeros: no quantization yet)."""
     if length < 1:
         raise ValueError(f"amax_history must be at least 1, got {length}")
     return torch.zeros(2, length + 2, dtype=torch.int32, device=device)
