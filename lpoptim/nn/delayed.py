@@ -12,8 +12,8 @@ worse than fp32, over the 1% the fp8 recipes must hold: tests/test_linear_qualit
 
 The history of one layer is a (2, length + 2) int32 tensor (LowBitLinear.amax_history), x's ring in row 0 and dy's
 in row 1, holding absmax values as fp32 bits (|x| orders as its bits, so integer atomics take the maximum).
-Quantization number n of an operand writes slot n % (length + 2) and zeroes slot (n + 1) % (length + 2); its scale comes from the other
-``length`` slots, the absmax of quantizations n - 1 ... n - length (zeros where fewer happened).
+Quantization number n of an operand writes slot n % (length + 2) and zeroes slot (n + 1) % (length + 2); its scale
+comes from the other ``length`` slots, the absmax of quantizations n - 1 ... n - length (zeros where fewer happened).
 
 Limits. A forward recomputed under activation checkpointing records again: a step then takes two of x's slots (the
 window spans half as many steps), and the recomputed xᵀ may take a larger scale than the first forward's x did
