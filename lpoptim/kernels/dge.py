@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..formats import E2M1
-from .grid import absmax_scale, div_rn_by, finite_abs, interpreted, store_as
+from .grid import absmax_scale, finite_abs, interpreted, store_as
 from .launch import cdiv, launcher
 
 # where the scale comes from: W's rows (computed here), a given one per row, or a given one for the tensor
@@ -45,10 +45,7 @@ def _dge_grad_kernel(dw_ptr, w_ptr, scale_ptr, out_ptr, R, C, K: tl.constexpr, C
         m = (rows[:, None] < R) & (cols[None, :] < C)
         dw = tl.load(dw_ptr + base + cols[None, :], mask=m, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + base + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        if ON_GPU:  # the reference's w.float() / scale, without a division per element (grid.div_rn_by)
-            a = tl.abs(div_rn_by(w, s))
-        else:  # the interpreter's FMA may round twice
-            a = tl.abs(tl.math.div_rn(w, tl.broadcast_to(s, w.shape)))
+        a = tl.abs(tl.math.div_rn(w, tl.broadcast_to(s, w.shape)))  # the reference's w.float() / scale
         delta = tl.where(a < 2, 0.5, tl.where(a < 4, 1.0, 2.0))
         lo = tl.floor(a / delta) * delta  # divisions by powers of two: exact
         t = tl.abs(2 * (a - lo) / delta - 1)
