@@ -78,7 +78,3 @@ class AmaxHistory:
         keep = torch.ones(self.slots, dtype=torch.bool, device=self.bits.device)
         keep[[write, zero]] = False
         return torch.where(keep, self.bits[self.role], 0).amax().view(torch.float32)
-
-    def amax_values(self) -> torch.Tensor:
-        """The ring as fp32 absmax values (for inspection; slot order, not time order)."""
-        return self.bits[self.role].view(torch.float32).clone()
