@@ -10,6 +10,7 @@ GPU keeps up (the large GEMMs: 20 calls, fewer than the launch queue holds).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.linear import layer_step, make_inputs  # noqa: E402
 from benchmarks.timing import enqueue_ms, host_profile  # noqa: E402
+from lpoptim.bench import environment  # noqa: E402
 from lpoptim.nn import LowBitLinear  # noqa: E402
 
 
@@ -48,10 +50,12 @@ def primitive_costs() -> dict:
     out["quantize_tensor_rows_cols (wrapper)"] = per_call_us(
         lambda: lq.quantize_tensor_rows_cols(small, "e4m3", "e4m3", 256, 64, amax))
     tune = lq.TUNING["tensor"]
-    kw = dict(ROWS=True, **lq._grid_args("e4m3", "R_", rows[0]), COLS=True, **lq._grid_args("e4m3", "C_", cols[0]),
-              BLOCK_R=tune["block_r"], BLOCK_C=tune["block_c"], ON_GPU=True, num_warps=tune["num_warps"])
-    args = (small, amax, *rows, *cols, 64, 256, 64, 256, small.stride(0), small.stride(1))
-    grid = (2, 1)
+    e4m3 = lq.get_format("e4m3")
+    # the quantizer's own launch: current scaling (no history: its pointer and slots are placeholders)
+    kw = dict(**lq._tensor_constexprs(e4m3, e4m3, 0, tune["block_r"], tune["block_c"], False), DELAYED=False,
+              REDO=False, num_warps=tune["num_warps"])
+    args = (small, amax, *rows, *cols, 64, 256, 64, 256, small.stride(0), small.stride(1), small, 0, 0, 0)
+    grid = (-(-256 // tune["block_r"]), -(-256 // tune["block_c"]))
     out["JITFunction launch (kernel[grid](...))"] = per_call_us(lambda: lq._quant_tensor_kernel[grid](*args, **kw))
     # lpoptim's cached launcher (kernels/launch.py): its key, then the compiled kernel's own launcher
     from lpoptim.kernels.launch import launcher
@@ -116,10 +120,8 @@ def main():
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    import triton
-    lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}",
-             "per-call host time, us:"]
-    lines += [f"  {k:45s} {v:.1f}" if isinstance(v, float) else f"  {k:45s} {v}" for k, v in primitive_costs().items()]
+    lines = [json.dumps(environment()), "per-call host time, us:"]
+    lines += [f"  {k:45s} {v:.1f}" for k, v in primitive_costs().items()]
     k, n = (int(v) for v in args.shape.split(","))
     for name in args.recipes.split(","):
         lines.append(profile_layer(name, k, n, args.tokens, args.top))

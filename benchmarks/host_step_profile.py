@@ -18,10 +18,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.timing import print_environment  # noqa: E402
 from lpoptim.nn import LowBitLinear  # noqa: E402
 
 
 def main(recipe: str = "fp8_delayed", tokens: int = 64, features: int = 256, n: int = 300):
+    print_environment()
     dev = "cuda"
     lin = torch.nn.Linear(features, features, bias=False, device=dev, dtype=torch.bfloat16)
     m = LowBitLinear.from_linear(lin, recipe)
@@ -29,6 +31,7 @@ def main(recipe: str = "fp8_delayed", tokens: int = 64, features: int = 256, n: 
     gy = torch.randn(tokens, features, device=dev, dtype=torch.bfloat16)
     for _ in range(20):
         m(x).backward(gy)
+        x.grad = m.weight.grad = None
     torch.cuda.synchronize()
     f = b = 0.0
     for i in range(n):
@@ -39,6 +42,7 @@ def main(recipe: str = "fp8_delayed", tokens: int = 64, features: int = 256, n: 
         t2 = time.perf_counter()
         f += t1 - t0
         b += t2 - t1
+        x.grad = m.weight.grad = None  # each backward writes its gradients afresh (no accumulation add)
         if i % 10 == 9:
             torch.cuda.synchronize()
     print(f"{recipe}: forward {f / n * 1e6:.1f} us, backward {b / n * 1e6:.1f} us (host, per step)")
@@ -48,6 +52,7 @@ def main(recipe: str = "fp8_delayed", tokens: int = 64, features: int = 256, n: 
         pr.enable()
         m(x).backward(gy)
         pr.disable()
+        x.grad = m.weight.grad = None
         if i % 10 == 9:
             torch.cuda.synchronize()
     s = io.StringIO()

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.linear import layer_step, make_inputs  # noqa: E402
-from benchmarks.timing import enqueue_ms, host_profile, profile_steps  # noqa: E402
+from benchmarks.timing import enqueue_ms, host_profile, profile_steps, print_environment  # noqa: E402
 from lpoptim.nn import LowBitLinear  # noqa: E402
 
 
@@ -29,6 +29,7 @@ def main():
     ap.add_argument("--rows", type=int, default=12)
     ap.add_argument("--host", action="store_true", help="also cProfile the host side of 20 steps (Python functions)")
     args = ap.parse_args()
+    print_environment()
     k, n = (int(v) for v in args.shape.split(","))
     base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
     inputs = make_inputs(args.tokens, k, n, torch.bfloat16, "cuda")

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.timing import back_to_back_ms  # noqa: E402
+from benchmarks.timing import back_to_back_ms, print_environment  # noqa: E402
 from lpoptim.kernels.grid import div_rn_by, finite_abs  # noqa: E402
 
 DIVS = {"div_rn": 0, "reciprocal": 1, "div_rn_by": 2}
@@ -59,6 +59,7 @@ def _probe_kernel(x_ptr, amax_ptr, row_ptr, col_ptr, part_ptr, R, C, BR: tl.cons
 
 
 def main():
+    print_environment()
     out = []
     for R, C in ((16384, 4096), (16384, 11008)):
         x = torch.randn(R, C, device="cuda", dtype=torch.bfloat16)

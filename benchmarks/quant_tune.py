@@ -5,10 +5,12 @@
 Times quantize_rows per row ("rows"), the one-pass column quantizer with known scales ("from_max", as
 quantize_rows_and_cols runs it) and the per-tensor quantizer writing x and xᵀ ("tensor",
 quantize_tensor_rows_cols, its absmax pass included), INT4 after a block Hadamard of 128 ("hadamard"), and the finite absmax pass alone ("absmax", x read once) on bf16 tensors of the fp8 linears' sizes (x: 16384 x 4096,
-dy: 16384 x 11008), CUDA events, median of 20; bandwidth counts x read once and the fp8 copies written.
+dy: 16384 x 11008), CUDA events: rows, from_max, tensor and hadamard the median of 20 calls each timed alone;
+absmax, whole and delayed the mean of calls queued back to back (short kernels); bandwidth counts x read once
+and the fp8 copies written.
 "delayed" times the per-tensor quantizer with delayed scaling (nn/delayed.py) against current scaling, per
 programs-per-SM of its second launch: the history covering x (one pass and a launch that ends at once) and a fresh
-history every call (both launches quantize), and the transposed copy alone (int4's saved x).
+history every call (both launches quantize; the fresh history's allocation included), and the transposed copy alone (int4's saved x).
 """
 import argparse
 import itertools
@@ -18,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.timing import back_to_back_ms, timer  # noqa: E402
+from benchmarks.timing import back_to_back_ms, timer, print_environment  # noqa: E402
 from lpoptim.formats import E4M3  # noqa: E402
 from lpoptim.kernels import linear_quant as lq  # noqa: E402
 
@@ -65,6 +67,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--modes", default="rows,from_max,tensor")
     modes = ap.parse_args().modes.split(",")
+    print_environment()
     saved = {k: dict(v) for k, v in lq.TUNING.items()}
     for m, k in ((16384, 4096), (16384, 11008)):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

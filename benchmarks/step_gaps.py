@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.timing import print_environment  # noqa: E402
 from benchmarks.linear import layer_step, make_inputs  # noqa: E402
 from lpoptim.nn import LowBitLinear  # noqa: E402
 
@@ -47,10 +48,10 @@ def main():
     ap.add_argument("--shape", default="4096,4096")
     ap.add_argument("--tokens", type=int, default=16384)
     args = ap.parse_args()
+    print_environment()
     k, n = (int(v) for v in args.shape.split(","))
     base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
     inputs = make_inputs(args.tokens, k, n, torch.bfloat16, "cuda")
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     for name in args.recipes.split(","):
         layer = base if name == "bf16" else LowBitLinear.from_linear(base, name)
         step = layer_step(layer, inputs)

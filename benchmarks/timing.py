@@ -96,3 +96,11 @@ def kernel_events(events):
     queue, listed as a device event: not a kernel."""
     return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total
             and "command buffer full" not in e.key.lower()]
+
+
+def print_environment() -> None:
+    """The first line of every benchmark's output: GPU, versions and the command (lpoptim.bench.environment)."""
+    import json
+
+    from lpoptim.bench import environment
+    print(json.dumps(environment()), flush=True)

@@ -80,45 +80,37 @@ def test_cached_launch_matches_ordinary_launch_on_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_bound_launch_matches_ordinary_launch_on_gpu():
-    """launcher(k).bind(...): constexprs fixed once; the same kernels and results as the ordinary launch, cached per
-    device and argument key (a per-tensor quantizer, rows and columns, on aligned and unaligned views)."""
+def test_per_tensor_quantizer_through_the_cached_launch_on_gpu():
+    """The per-tensor quantizer (rows and columns) through the cached launcher: the reference's results on aligned
+    and unaligned views, one cached kernel per argument key."""
     import lpoptim.kernels.linear_quant as lq
     x = torch.randn(300, 528, device="cuda", dtype=torch.bfloat16)
-    lq._tensor_launchers.cache_clear()
+    amaxes = [lq.finite_absmax(view) for view in (x, x[:, 8:], x[:, 3:])]
     run = launch.launcher(lq._quant_tensor_kernel)
+    run.cache.clear()
     firsts = []
     first = run._first
     run._first = lambda *a: (firsts.append(a[0]), first(*a))[1]  # Triton's own launch, recorded
-    for view in (x, x[:, 8:], x[:, 3:]):
-        amax = lq.finite_absmax(view)
-        for _ in range(2):
-            rows, cols = lq.quantize_tensor_rows_cols(view, "e4m3", "e5m2", 528, 304, amax)
-            ref_r, ref_c = (quantize_operand_ref(v, f, "tensor", None, w, amax)
-                            for v, f, w in ((view, "e4m3", 528), (view.t(), "e5m2", 304)))
-            assert torch.equal(rows[0].float(), ref_r.values.float()) and torch.equal(rows[1], ref_r.scale)
-            assert torch.equal(cols[0].float(), ref_c.values.float()) and torch.equal(cols[1], ref_c.scale)
-    main, _ = lq._tensor_launchers(lq.get_format("e4m3"), lq.get_format("e5m2"), 0, lq.TUNING["tensor"]["block_r"],
-                                   lq.TUNING["tensor"]["block_c"], lq.TUNING["tensor"]["num_warps"], False)
-    del run._first
+    try:
+        for view, amax in zip((x, x[:, 8:], x[:, 3:]), amaxes):
+            for _ in range(2):
+                rows, cols = lq.quantize_tensor_rows_cols(view, "e4m3", "e5m2", 528, 304, amax)
+                ref_r, ref_c = (quantize_operand_ref(v, f, "tensor", None, w, amax)
+                                for v, f, w in ((view, "e4m3", 528), (view.t(), "e5m2", 304)))
+                assert torch.equal(rows[0].float(), ref_r.values.float()) and torch.equal(rows[1], ref_r.scale)
+                assert torch.equal(cols[0].float(), ref_c.values.float()) and torch.equal(cols[1], ref_c.scale)
+    finally:
+        del run._first
     # one key per view: x[:, 8:] is 16-byte aligned but 520 wide (not a multiple of 16), x[:, 3:] starts 6 bytes in;
     # the second call of each took the cached kernel (Triton's own launch three times, not six)
-    assert len(main.cache) == 3 and len(firsts) == len(set(firsts)) == 3, firsts
-
-
-def test_zero_scalars_on_the_cpu_are_plain_zeros():
-    z = launch.zero_scalar(torch.device("cpu"))
-    assert z.shape == () and z.dtype == torch.int32 and z.item() == 0
+    assert len(run.cache) == 3 and len(firsts) == len(set(firsts)) == 3, firsts
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_zero_scalars_come_from_blocks_and_not_inside_graph_capture():
+def test_absmax_scalars_are_distinct_and_zeroed_inside_graph_capture():
     dev = torch.device("cuda")
-    a, b = launch.zero_scalar(dev), launch.zero_scalar(dev)
-    assert a.item() == b.item() == 0 and a.data_ptr() != b.data_ptr() and a.dtype == torch.int32
-    assert not a.data_ptr() % 16 and not b.data_ptr() % 16  # aligned as fresh allocations are
-    # the absmax pass takes one per call: distinct results stay distinct
+    # each call takes its own zero scalar: distinct results stay distinct
     x, y = torch.randn(64, 256, device=dev), torch.randn(64, 256, device=dev) * 3
     assert finite_absmax(x).item() == x.abs().max().item() and finite_absmax(y).item() == y.abs().max().item()
     # a captured graph zeroes its own scalar on every replay

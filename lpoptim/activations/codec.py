@@ -177,16 +177,19 @@ def _pow2(biased: torch.Tensor) -> torch.Tensor:
     return (biased << 23).view(torch.float32)
 
 
-def encode_pow2(t: torch.Tensor, group: int | None, fmt: FloatFormat = E4M3, kernel: bool = False):
+def encode_pow2(t: torch.Tensor, group: int | None, fmt: FloatFormat = E4M3, kernel: bool | str = False):
     """``t`` -> (codes of t's shape in fmt's dtype, uint8 biased exponents (rows, groups per row)): one power-of-two
     scale per run of ``group`` elements along the last dim (the last dim's length: per row; None: one for the
     tensor). A group with nothing finite to scale (zeros, or only inf / NaN) gets scale 1, as absmax_scale gives
     the fp32 path: inf saturates to 448 there, NaN stays NaN. ``kernel``: E4M3 groups that pow2_groups accepts
-    take kernels/act_quant.py's quantize_groups_pow2 (the caller decides: CUDA, or the interpreter in tests), the
-    same bits in one pass."""
+    take kernels/act_quant.py's kernel (the caller decides: CUDA, or the interpreter in tests), the same bits in one
+    pass: ``kernel="op"`` through the torch.library op a compiled graph launches itself (graph_hooks), any other
+    true value launched directly (eager packing: the op's dispatch costs more host time than the launch)."""
     n = t.shape[-1] if t.dim() else 1
     if kernel and group is not None and pow2_groups(n, group, fmt):
-        return _kernels().quantize_groups_pow2(t.detach().contiguous(), group)
+        k = _kernels()
+        quant = k.quantize_groups_pow2 if kernel == "op" else k.quantize_groups_pow2_eager
+        return quant(t.detach().contiguous(), group)
     x = t.detach().float().reshape(-1, n) if t.dim() else t.detach().float().reshape(1, 1)
     if group is None:  # the whole tensor, one group
         x = x.reshape(1, -1)
@@ -197,13 +200,16 @@ def encode_pow2(t: torch.Tensor, group: int | None, fmt: FloatFormat = E4M3, ker
     return codes, (e + 127).to(torch.uint8)
 
 
-def decode_pow2(codes: torch.Tensor, exps: torch.Tensor, dtype: torch.dtype, kernel: bool = False) -> torch.Tensor:
+def decode_pow2(codes: torch.Tensor, exps: torch.Tensor, dtype: torch.dtype,
+                kernel: bool | str = False) -> torch.Tensor:
     """encode_pow2's inverse, in ``dtype`` (clamped to its range: a power-of-two scale can round a group's largest
     value up past it). ``kernel``: E4M3 takes dequantize_groups_pow2 (the caller decides, as for encode_pow2)."""
     if exps.numel() == 0:  # nothing packed (an empty tensor)
         return torch.empty(codes.shape, dtype=dtype, device=codes.device)
     if kernel and codes.dtype == torch.float8_e4m3fn:
-        return _kernels().dequantize_groups_pow2(codes.contiguous(), exps.contiguous(), dtype)
+        k = _kernels()  # as encode_pow2
+        dequant = k.dequantize_groups_pow2 if kernel == "op" else k.dequantize_groups_pow2_eager
+        return dequant(codes.contiguous(), exps.contiguous(), dtype)
     # groups tile rows exactly: the k-th group of the flattened codes has the k-th scale, an index a shift computes
     # for groups (Inductor's (row, col) form would divide by the row length for every element)
     g = codes.numel() // exps.numel()

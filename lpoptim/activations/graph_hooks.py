@@ -167,7 +167,7 @@ def pack_in_graph(t: torch.Tensor, info: dict, policy, records: dict | None):
     # one power-of-two scale per group, row or tensor, held as a byte (codec.encode_pow2); groups on CUDA through
     # our kernel: Inductor's kernel for the same torch ops took twice as long (H100, docs/activations.md)
     group = policy.group_size if gran == "group" else t.shape[-1] if gran == "row" and t.dim() else None
-    codes, scale = encode_pow2(t, group, fmt, kernel=gran == "group" and t.is_cuda)
+    codes, scale = encode_pow2(t, group, fmt, kernel="op" if gran == "group" and t.is_cuda else False)
     _record(records, info, f"fp8_{gran}", producer, t, numel * dtype.itemsize,
             numel + _hint(scale.numel()) * scale.element_size())
     return codes, scale, gran, dtype
@@ -192,7 +192,7 @@ def unpack_in_graph(packed) -> torch.Tensor:
     # groups through our kernel; Inductor's consumers then read the decoded tensor: the decoding fused into them
     # made their reductions 2.4x slower (per-element exponent gathers with div/mod index arithmetic; a Llama block
     # on an H100, docs/activations.md)
-    return decode_pow2(codes, scale, dtype, kernel=gran == "group" and codes.is_cuda)
+    return decode_pow2(codes, scale, dtype, kernel="op" if gran == "group" and codes.is_cuda else False)
 
 
 # ---- the hooks ---------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ..quant import max_bits, rows_of
 from .grid import absmax_scale, finite_abs, fp8_bits, fp8_value, interpreted, round_to_grid, store_as
-from .launch import cdiv, next_power_of_2  # plain Python: triton's are jit functions, slow to call per pack
+from .launch import cdiv, launcher, next_power_of_2  # plain Python: triton's are jit functions, slow per pack
 
 
 
@@ -119,14 +119,9 @@ def _quant_groups_pow2_kernel(x_ptr, codes_ptr, exp_ptr, total_groups, FMAX: tl.
     tl.store(exp_ptr + gid, (e + 127).to(tl.uint8), mask=gid < total_groups)
 
 
-@torch.library.triton_op("lpoptim::quantize_groups_pow2", mutates_args=())
-def quantize_groups_pow2(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (contiguous, last dim a multiple of ``group_size``, a power of two) -> (float8_e4m3fn codes of x's shape,
-    uint8 biased exponents (R, N / G)): graph_hooks.pack_in_graph's groups in one pass.
-
-    A triton_op: inside a compiled graph Inductor launches the kernel from its own generated code (no Python
-    per call) and schedules around it; it cannot fuse it. Inductor's own kernel for the same torch ops took twice
-    as long on a Llama block (H100, docs/activations.md)."""
+def _quant_pow2_launch(x: torch.Tensor, group_size: int):
+    """(codes, exponents, grid, args, constexprs) of one _quant_groups_pow2_kernel launch (grid None: nothing to
+    read). Shared by the graph op and the eager function, which launch it their own way."""
     r, n = rows_of(x.shape)
     if not x.is_contiguous() or n % group_size or group_size & (group_size - 1):
         raise ValueError(f"quantize_groups_pow2: contiguous input with a last dim ({n}) that a power-of-two group "
@@ -134,12 +129,33 @@ def quantize_groups_pow2(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor
     codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     exps = torch.empty((r, n // group_size), dtype=torch.uint8, device=x.device)
     total = r * (n // group_size)
-    if total:
-        block_g = max(1, 2048 // group_size)
-        f_exp, f_mant = E4M3_MAX_BITS
-        torch.library.wrap_triton(_quant_groups_pow2_kernel)[(cdiv(total, block_g),)](
-            x, codes, exps, total, FMAX=448.0, F_EXP=f_exp, F_MANT=f_mant, G=group_size, BLOCK_G=block_g,
-            ON_GPU=_ON_GPU)
+    block_g = max(1, 2048 // group_size)
+    f_exp, f_mant = E4M3_MAX_BITS
+    consts = dict(FMAX=448.0, F_EXP=f_exp, F_MANT=f_mant, G=group_size, BLOCK_G=block_g, ON_GPU=_ON_GPU)
+    return codes, exps, (cdiv(total, block_g),) if total else None, (x, codes, exps, total), consts
+
+
+@torch.library.triton_op("lpoptim::quantize_groups_pow2", mutates_args=())
+def quantize_groups_pow2(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (contiguous, last dim a multiple of ``group_size``, a power of two) -> (float8_e4m3fn codes of x's shape,
+    uint8 biased exponents (R, N / G)): graph_hooks.pack_in_graph's groups in one pass.
+
+    A triton_op: inside a compiled graph Inductor launches the kernel from its own generated code (no Python
+    per call) and schedules around it; it cannot fuse it. Inductor's own kernel for the same torch ops took twice
+    as long on a Llama block (H100, docs/activations.md). Eager code calls quantize_groups_pow2_eager (the same
+    kernel without the op's dispatch)."""
+    codes, exps, grid, args, consts = _quant_pow2_launch(x, group_size)
+    if grid is not None:
+        torch.library.wrap_triton(_quant_groups_pow2_kernel)[grid](*args, **consts)
+    return codes, exps
+
+
+def quantize_groups_pow2_eager(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_groups_pow2 launched directly through lpoptim's cached launcher, for eager packing: the op's
+    dispatch and wrap_triton cost several times the launch's host time per saved tensor."""
+    codes, exps, grid, args, consts = _quant_pow2_launch(x, group_size)
+    if grid is not None:
+        launcher(_quant_groups_pow2_kernel)(grid, *args, **consts)
     return codes, exps
 
 
@@ -158,21 +174,34 @@ def _dequant_groups_pow2_kernel(codes_ptr, exp_ptr, out_ptr, total_groups, TOP: 
     store_as(out_ptr + offs, y, mask, out_ptr.dtype.element_ty, ON_GPU)
 
 
+def _dequant_pow2_launch(codes: torch.Tensor, exps: torch.Tensor, dtype: torch.dtype):
+    """(output, grid, args, constexprs) of one _dequant_groups_pow2_kernel launch (grid None: nothing to read)."""
+    r, n = rows_of(codes.shape)
+    ng = exps.shape[-1] if exps.dim() else 1
+    out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
+    total = r * ng
+    g = n // ng if ng else 1
+    block_g = max(1, 2048 // g)
+    consts = dict(TOP=torch.finfo(dtype).max, G=g, BLOCK_G=block_g, ON_GPU=_ON_GPU)
+    return out, (cdiv(total, block_g),) if total else None, (codes.view(torch.uint8), exps, out, total), consts
+
+
 @torch.library.triton_op("lpoptim::dequantize_groups_pow2", mutates_args=())
 def dequantize_groups_pow2(codes: torch.Tensor, exps: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """quantize_groups_pow2's inverse: codes (R, N) float8_e4m3fn, exps (R, N / G) uint8 -> (R, N) ``dtype``. One pass
     of our own in a compiled backward: fused into Inductor's reductions there, the per-element exponent loads (1-byte
     gathers with index arithmetic) made them 2.4x slower than reading the bf16 original (a Llama block, H100)."""
-    r, n = rows_of(codes.shape)
-    ng = exps.shape[-1] if exps.dim() else 1
-    out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
-    total = r * ng
-    if total:
-        g = n // ng
-        block_g = max(1, 2048 // g)
-        torch.library.wrap_triton(_dequant_groups_pow2_kernel)[(cdiv(total, block_g),)](
-            codes.view(torch.uint8), exps, out, total, TOP=torch.finfo(dtype).max, G=g, BLOCK_G=block_g,
-            ON_GPU=_ON_GPU)
+    out, grid, args, consts = _dequant_pow2_launch(codes, exps, dtype)
+    if grid is not None:
+        torch.library.wrap_triton(_dequant_groups_pow2_kernel)[grid](*args, **consts)
+    return out
+
+
+def dequantize_groups_pow2_eager(codes: torch.Tensor, exps: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dequantize_groups_pow2 launched directly (eager unpacking), as quantize_groups_pow2_eager."""
+    out, grid, args, consts = _dequant_pow2_launch(codes, exps, dtype)
+    if grid is not None:
+        launcher(_dequant_groups_pow2_kernel)(grid, *args, **consts)
     return out
 
 

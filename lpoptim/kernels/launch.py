@@ -1,8 +1,8 @@
 """A leaner way to launch lpoptim's Triton kernels from eager code.
 
 ``kernel[grid](*args, **constexprs)`` binds every argument, works out Triton's specialization and looks the compiled
-kernel up on each call: about 29 us of host time on an H100 host (triton 3.6), where the compiled kernel's own
-launcher takes about 7 (benchmarks/host_costs.py). An eager low-bit linear step makes seven such launches, and at
+kernel up on each call: 28-49 us of host time on H100 hosts (triton 3.6), where the compiled kernel's own
+launcher takes 7-11 (benchmarks/host_costs.py, docs/results/host/host_costs_runs_h100.txt). An eager low-bit linear step makes seven such launches, and at
 4096 x 4096 its host work was most of the step. ``launcher(kernel)`` keeps, per specialization key of its own, the
 compiled kernel that the first ordinary launch returned, and calls its launcher directly afterwards.
 
@@ -24,16 +24,11 @@ def _spec(args) -> tuple | None:
     are; floats by type. None for any other argument (a tuple, a tensor descriptor): Triton's own launch then."""
     spec = []
     for a in args:
-        t = type(a)  # exact types first: isinstance chains were most of this function's time
-        if t is int:
-            spec.append((a == 1, not a & 15, -(1 << 31) <= a < (1 << 31), a < (1 << 63)))
-        elif t is torch.Tensor or isinstance(a, torch.Tensor):
+        if isinstance(a, torch.Tensor):
             spec.append((a.dtype, not a.data_ptr() & 15))
-        elif a is None or t is bool:
+        elif a is None or isinstance(a, bool):
             spec.append(a)
-        elif t is float:
-            spec.append(float)
-        elif isinstance(a, int):  # an int subclass (bool is handled above)
+        elif isinstance(a, int):
             spec.append((a == 1, not a & 15, -(1 << 31) <= a < (1 << 31), a < (1 << 63)))
         elif isinstance(a, float):
             spec.append(float)
@@ -64,40 +59,12 @@ class _Launcher:
             return self._first(key, grid, args, num_warps, constexprs)
         return _run(hit, grid, device, args)
 
-    def bind(self, num_warps: int = 4, **constexprs) -> "_Bound":
-        """This launcher with its constexprs and warps fixed: ``bind(...)(grid, *args)`` launches as
-        ``self(grid, *args, num_warps=..., **constexprs)`` does, without hashing the constexprs on every call (for a
-        caller that keeps the bound launcher, one per configuration)."""
-        return _Bound(self, num_warps, constexprs)
-
     def _first(self, key, grid, args, num_warps, constexprs):
         ck = self.kernel[grid](*args, num_warps=num_warps, **constexprs)
         if ck is not None and getattr(ck, "function", None) is not None:
             consts = tuple(constexprs.get(n, self.defaults[n]) for n in self.const_names)
             self.cache[key] = (ck, consts)
         return ck
-
-
-class _Bound:
-    def __init__(self, launcher: _Launcher, num_warps: int, constexprs: dict):
-        self.launcher, self.num_warps, self.constexprs = launcher, num_warps, constexprs
-        self.const_key = (num_warps, tuple(constexprs.items()))
-        self.cache: dict = {}  # (device, spec) -> (compiled kernel, constexpr values)
-
-    def __call__(self, grid, *args):
-        lau = self.launcher
-        spec = _spec(args) if lau.fast and not interpreted() and len(args) == lau.n_runtime else None
-        if spec is None or _triton_path_needed(lau.kernel):
-            return lau.kernel[grid](*args, num_warps=self.num_warps, **self.constexprs)
-        device = torch._C._cuda_getDevice()
-        hit = self.cache.get((device, spec))
-        if hit is None:
-            ck = lau._first((device, *self.const_key, spec), grid, args, self.num_warps, self.constexprs)
-            hit = lau.cache.get((device, *self.const_key, spec))
-            if hit is not None:
-                self.cache[(device, spec)] = hit
-            return ck
-        return _run(hit, grid, device, args)
 
 
 def _run(hit, grid, device: int, args):
@@ -148,34 +115,6 @@ def next_power_of_2(n: int) -> int:
     """triton.next_power_of_2 (n >= 1), likewise a plain function."""
     return 1 << (n - 1).bit_length()
 
-
-class _ZeroScalars:
-    """int32 zeros (+0.0 as fp32 bits) for the atomic maxima of the absmax passes, without a ``torch.zeros`` (an
-    allocation and a fill launch, 15-40 us of host time) each: views into blocks of ``BLOCK`` zeros, one
-    ``torch.zeros`` a block, per device and stream (the block's fill is ordered before every use on its stream).
-    A block is never zeroed again: a new one follows when it is used up, and the old one's memory goes back to
-    the allocator with the last view. Every fourth element is handed out, so that each scalar is 16-byte aligned
-    like a fresh allocation (the kernels' launch keys, and Triton's specializations, stay the same). While a CUDA
-    graph is being captured, plain ``torch.zeros`` (the replays must zero the scalar each time)."""
-
-    BLOCK = 4096  # int32 elements: 1024 scalars a block
-
-    def __init__(self):
-        self.blocks: dict = {}  # (device index, stream) -> [block, next index]
-
-    def take(self, device: torch.device) -> torch.Tensor:
-        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-            return torch.zeros((), device=device, dtype=torch.int32)
-        index = device.index if device.index is not None else torch._C._cuda_getDevice()
-        key = (index, torch._C._cuda_getCurrentRawStream(index))
-        entry = self.blocks.get(key)
-        if entry is None or entry[1] == self.BLOCK:
-            entry = self.blocks[key] = [torch.zeros(self.BLOCK, device=device, dtype=torch.int32), 0]
-        entry[1] += 4
-        return entry[0][entry[1] - 4]
-
-
-zero_scalar = _ZeroScalars().take
 
 _LAUNCHERS: dict = {}
 

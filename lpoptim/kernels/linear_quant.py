@@ -24,7 +24,7 @@ from ..nn.operands import container_dtype
 from ..quant import absmax_scale
 from .grid import absmax_scale as _absmax_scale
 from .grid import div_rn_by, finite_abs, fp8_bits, interpreted, round_to_grid
-from .launch import cdiv, launcher, next_power_of_2, zero_scalar
+from .launch import cdiv, launcher, next_power_of_2
 
 @triton.jit
 def _load_hadamard(h_ptr, HB: tl.constexpr, BF16_DOT: tl.constexpr):
@@ -70,7 +70,7 @@ def finite_absmax(x: torch.Tensor) -> torch.Tensor:
     """quant.finite_absmax of 2-D ``x`` (any strides) as a 0-dim fp32 tensor: one read of x, no temporaries."""
     if not x.is_contiguous() and x.t().is_contiguous():
         x = x.t()  # the maximum does not care; the loads follow the contiguous dimension
-    bits = zero_scalar(x.device)  # +0.0
+    bits = torch.zeros((), device=x.device, dtype=torch.int32)  # +0.0
     R, C = x.shape
     if R and C:
         tune = TUNING["absmax"]
@@ -327,8 +327,9 @@ def _quant_tensor_kernel(x_ptr, amax_ptr, row_ptr, row_scale_ptr, col_ptr, col_s
         if COLS:
             _quantize_store(x_ptr, cols, rows, stride_c, stride_r, C, R, col_ptr, RP, col_scale_ptr, amax, first,
                             C_FMAX, C_INT, C_MAN, C_EMIN, C_QMIN, C_QMAX, C_NATIVE, C_E4M3, ON_GPU, False)
-            if DELAYED and not ROWS:  # the maximum from the tile as the rows' copy loads it (from L1/L2 now): over
-                # the transposed tile it tripled the pass (16384 x 4096: 230 against 72 us, docs/linear.md)
+            if DELAYED and not ROWS:  # the maximum from the tile as the rows' copy loads it (from L1/L2 now): taken
+                # over the transposed tile it was most of int4's per-tensor quantizer time (371 against 199 us a step
+                # at 4096 x 4096, docs/results/profile_linear_ninth_run_a_h100.txt)
                 t = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c,
                             mask=(rows[:, None] < R) & (cols[None, :] < C), other=0.0).to(tl.float32)
                 tile_max = tl.max(tl.max(finite_abs(t), axis=1), axis=0)
@@ -361,17 +362,13 @@ def _quantize_store(x_ptr, a, b, stride_a, stride_b, A, B, out_ptr, OUT_W, scale
 
 
 @functools.cache
-def _tensor_launchers(row_fmt, col_fmt, slots: int, block_r: int, block_c: int, num_warps: int, interp: bool):
-    """_quant_tensor_kernel's bound launchers (the pass, and delayed scaling's second launch) for one configuration:
-    its constexprs worked out once, not per call (host time: the eager layer's steps are short at 4096 x 4096)."""
+def _tensor_constexprs(row_fmt, col_fmt, slots: int, block_r: int, block_c: int, interp: bool) -> dict:
+    """_quant_tensor_kernel's constexprs for one configuration (formats, tile, history length; 0: no history)."""
     e4m3 = get_format("e4m3")  # the format of a copy not written: any
-    consts = dict(ROWS=row_fmt is not None, **_grid_args_of(row_fmt or e4m3, "R_", container_dtype(row_fmt or e4m3)),
-                  COLS=col_fmt is not None, **_grid_args_of(col_fmt or e4m3, "C_", container_dtype(col_fmt or e4m3)),
-                  BLOCK_R=block_r, BLOCK_C=block_c, ON_GPU=not interp, N_SLOTS=max(slots, 1),
-                  SLOTS_P2=next_power_of_2(max(slots, 1)))
-    lau = launcher(_quant_tensor_kernel)
-    return (lau.bind(num_warps, DELAYED=slots > 0, REDO=False, **consts),
-            lau.bind(num_warps, DELAYED=False, REDO=True, **consts) if slots else None)
+    return dict(ROWS=row_fmt is not None, **_grid_args_of(row_fmt or e4m3, "R_", container_dtype(row_fmt or e4m3)),
+                COLS=col_fmt is not None, **_grid_args_of(col_fmt or e4m3, "C_", container_dtype(col_fmt or e4m3)),
+                BLOCK_R=block_r, BLOCK_C=block_c, ON_GPU=not interp, N_SLOTS=max(slots, 1),
+                SLOTS_P2=next_power_of_2(max(slots, 1)))
 
 
 @functools.cache
@@ -437,11 +434,13 @@ def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int |
         grid = (cdiv(max(R, rp), block_r), cdiv(max(C, cp), block_c))
         args = (x, amax, *(rows or (dummy, dummy)), *(cols or (dummy, dummy)), R, C, rp, cp, x.stride(0), x.stride(1),
                 hist, offset, write, zero)
-        main, redo = _tensor_launchers(row_fmt, col_fmt, history.slots if delayed else 0, block_r, block_c,
-                                       tune["num_warps"], interpreted())
-        main(grid, *args)
+        consts = _tensor_constexprs(row_fmt, col_fmt, history.slots if delayed else 0, block_r, block_c,
+                                    interpreted())
+        launch = launcher(_quant_tensor_kernel)
+        launch(grid, *args, DELAYED=delayed, REDO=False, num_warps=tune["num_warps"], **consts)
         if delayed:  # where x's own absmax exceeds the history's (a no-op launch otherwise)
-            redo((min(grid[0] * grid[1], _redo_programs(x.device)),), *args)
+            launch((min(grid[0] * grid[1], _redo_programs(x.device)),), *args, DELAYED=False, REDO=True,
+                   num_warps=tune["num_warps"], **consts)
     else:  # nothing to read: the scales of an all-zero tensor (delayed: of the history, which records a zero)
         if delayed:
             amax = history.window_amax(write, zero)

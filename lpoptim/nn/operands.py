@@ -179,9 +179,8 @@ def quantize_operand_keep_tensor_max(x: torch.Tensor, fmt, pad_to: int = 16) -> 
     elsewhere tensor_amax does."""
     if not (use_kernels(x) and x.dim() == 2):
         return quantize_operand(x, fmt, "row", None, pad_to), tensor_amax(x)
-    from ..kernels.launch import zero_scalar
     from ..kernels.linear_quant import quantize_rows
-    bits = zero_scalar(x.device)  # +0.0
+    bits = torch.zeros((), device=x.device, dtype=torch.int32)  # +0.0
     values, scale = quantize_rows(x, get_format(fmt), "row", None, padded(x.shape[1], pad_to), tensor_max=bits)
     return Operand(values, scale), bits.view(torch.float32)
 
