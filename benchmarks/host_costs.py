@@ -86,6 +86,15 @@ def primitive_costs() -> dict:
 
     xs = small.clone().requires_grad_()
     out["autograd.Function.apply (identity)"] = per_call_us(lambda: Ident.apply(xs))
+    # an activation's eager packing (groups of 16, power-of-two scales): the graph op against the direct launch
+    from lpoptim.kernels import act_quant as aq
+    codes, exps = aq.quantize_groups_pow2_eager(small, 16)
+    out["act pack: quantize_groups_pow2 op"] = per_call_us(lambda: aq.quantize_groups_pow2(small, 16))
+    out["act pack: direct launch (eager)"] = per_call_us(lambda: aq.quantize_groups_pow2_eager(small, 16))
+    out["act unpack: dequantize_groups_pow2 op"] = per_call_us(
+        lambda: aq.dequantize_groups_pow2(codes, exps, torch.bfloat16))
+    out["act unpack: direct launch (eager)"] = per_call_us(
+        lambda: aq.dequantize_groups_pow2_eager(codes, exps, torch.bfloat16))
     return out
 
 
