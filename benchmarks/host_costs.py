@@ -18,10 +18,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.linear import layer_step, make_inputs  # noqa: E402
+from benchmarks.linear import warm_layer_steps  # noqa: E402
 from benchmarks.timing import enqueue_ms, host_profile  # noqa: E402
 from lpoptim.bench import environment  # noqa: E402
-from lpoptim.nn import LowBitLinear  # noqa: E402
 
 
 def per_call_us(fn, n=200) -> float:
@@ -98,14 +97,7 @@ def primitive_costs() -> dict:
     return out
 
 
-def profile_layer(name: str, k: int, n: int, tokens: int, top: int) -> str:
-    base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-    layer = base if name == "bf16" else LowBitLinear.from_linear(base, name)
-    inputs = make_inputs(tokens, k, n, torch.bfloat16, "cuda")
-
-    step = layer_step(layer, inputs)
-    for i in range(5):
-        step(i)
+def profile_layer(name: str, step, k: int, n: int, top: int) -> str:
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")  # a step that waits for the GPU would hide in the enqueue time
     import warnings
@@ -132,8 +124,8 @@ def main():
     lines = [json.dumps(environment()), "per-call host time, us:"]
     lines += [f"  {k:45s} {v:.1f}" for k, v in primitive_costs().items()]
     k, n = (int(v) for v in args.shape.split(","))
-    for name in args.recipes.split(","):
-        lines.append(profile_layer(name, k, n, args.tokens, args.top))
+    for name, step in warm_layer_steps(args.shape, args.tokens, args.recipes):
+        lines.append(profile_layer(name, step, k, n, args.top))
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -83,6 +83,25 @@ def layer_step(layer, inputs):
     return step
 
 
+def warm_layer_steps(shape: str, tokens: int, names: str, compile: bool = False):
+    """(name, step) for each of the comma-separated ``names`` ("bf16", a recipe, or recipe@scaling, e.g.
+    int4@delayed) on one bf16 layer of ``shape`` ("in,out") at ``tokens``, after five warm-up steps: what the
+    profiling scripts (profile_linear, step_gaps, host_costs) time."""
+    from lpoptim.nn import LowBitLinear
+    k, n = (int(v) for v in shape.split(","))
+    base = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    inputs = make_inputs(tokens, k, n, torch.bfloat16, "cuda")
+    for name in names.split(","):
+        torch._dynamo.reset()
+        recipe, _, scaling = name.partition("@")
+        layer = base if name == "bf16" else LowBitLinear.from_linear(base, recipe,
+                                                                     **({"scaling": scaling} if scaling else {}))
+        step = layer_step(torch.compile(layer) if compile else layer, inputs)
+        for i in range(5):
+            step(i)
+        yield name, step
+
+
 def torchao_float8(base: nn.Linear, recipe: str):
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     wrapper = nn.Sequential(copy.deepcopy(base))

@@ -11,12 +11,10 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.linear import layer_step, make_inputs  # noqa: E402
+from benchmarks.linear import warm_layer_steps  # noqa: E402
 from benchmarks.timing import enqueue_ms, host_profile, profile_steps, print_environment  # noqa: E402
-from lpoptim.nn import LowBitLinear  # noqa: E402
 
 
 def main():
@@ -31,18 +29,7 @@ def main():
     args = ap.parse_args()
     print_environment()
     k, n = (int(v) for v in args.shape.split(","))
-    base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-    inputs = make_inputs(args.tokens, k, n, torch.bfloat16, "cuda")
-    for name in args.recipes.split(","):
-        torch._dynamo.reset()
-        recipe, _, scaling = name.partition("@")  # int4@delayed: the int4 recipe with scaling="delayed"
-        layer = base if name == "bf16" else LowBitLinear.from_linear(base, recipe,
-                                                                     **({"scaling": scaling} if scaling else {}))
-        layer = torch.compile(layer) if args.compile else layer
-
-        step = layer_step(layer, inputs)
-        for i in range(5):
-            step(i)
+    for name, step in warm_layer_steps(args.shape, args.tokens, args.recipes, args.compile):
         # back to back, no sync between steps: the host's enqueue time per step, and the time per step once the
         # GPU is the limit (or the host, where enqueueing is slower than the kernels)
         host, b2b = enqueue_ms(step, 20)

@@ -17,8 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.timing import print_environment  # noqa: E402
-from benchmarks.linear import layer_step, make_inputs  # noqa: E402
-from lpoptim.nn import LowBitLinear  # noqa: E402
+from benchmarks.linear import warm_layer_steps  # noqa: E402
 
 
 def kernel_gaps(step, steps: int = 3) -> list[list[tuple[str, float, float]]]:
@@ -50,13 +49,7 @@ def main():
     args = ap.parse_args()
     print_environment()
     k, n = (int(v) for v in args.shape.split(","))
-    base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-    inputs = make_inputs(args.tokens, k, n, torch.bfloat16, "cuda")
-    for name in args.recipes.split(","):
-        layer = base if name == "bf16" else LowBitLinear.from_linear(base, name)
-        step = layer_step(layer, inputs)
-        for i in range(5):
-            step(i)
+    for name, step in warm_layer_steps(args.shape, args.tokens, args.recipes):
         rows = kernel_gaps(step)[-1]
         busy, idle = sum(r[2] for r in rows), sum(r[1] for r in rows)
         print(f"=== {name} {k}->{n}: kernels {busy:.0f} us, idle between them {idle:.0f} us")
