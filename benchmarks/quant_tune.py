@@ -10,7 +10,8 @@ absmax, whole and delayed the mean of calls queued back to back (short kernels);
 and the fp8 copies written.
 "delayed" times the per-tensor quantizer with delayed scaling (nn/delayed.py) against current scaling, per
 programs-per-SM of its second launch: the history covering x (one pass and a launch that ends at once) and a fresh
-history every call (both launches quantize; the fresh history's allocation included), and the transposed copy alone (int4's saved x).
+history every call (both launches quantize; the fresh history's allocation included), the transposed copy alone
+(int4's saved x), and the delayed pass per tile (TUNING["delayed"]).
 """
 import argparse
 import itertools
@@ -32,11 +33,14 @@ TILES = {"rows": ((16, 32, 64), (128, 256, 512)), "from_max": ((16, 32, 64), (12
          "absmax": ((8, 16, 32, 64), (128, 256, 512, 1024))}
 
 
+DELAYED_TILES = ((32, 256, 8), (32, 128, 4), (64, 64, 4), (64, 128, 8), (64, 256, 8))
+
+
 def delayed(x):
     from lpoptim.nn.delayed import X, AmaxHistory, new_history
 
     def fresh():
-        return AmaxHistory(new_history(16, "cuda"), [0, 0], X)
+        return AmaxHistory(new_history(16, "cuda"), [0, 0, 0], X)
 
     R, C = x.shape
     big = x * 1.5  # recorded first, so that the history covers x
@@ -53,6 +57,18 @@ def delayed(x):
             lambda: lq.quantize_tensor_rows_cols(x, "e4m3", "e4m3", C, R, history=fresh()), 20)
     lq.TUNING["redo"] = saved
     lq._redo_programs.cache_clear()
+    saved = dict(lq.TUNING["delayed"])
+    for br, bc, nw in DELAYED_TILES:  # the delayed pass's tile (it also reduces each tile to its absmax)
+        lq.TUNING["delayed"] = dict(block_r=br, block_c=bc, num_warps=nw)
+        h = fresh()
+        lq.quantize_tensor_rows_cols(big, "e4m3", "e4m3", C, R, history=h)
+        ms[f"delayed covered, tile {br}x{bc} {nw} warps"] = back_to_back_ms(
+            lambda: lq.quantize_tensor_rows_cols(x, "e4m3", "e4m3", C, R, history=h), 50)
+        h = fresh()
+        lq.quantize_tensor_rows_cols(big, None, "e4m3", None, R, history=h)
+        ms[f"xT alone delayed, tile {br}x{bc} {nw} warps"] = back_to_back_ms(
+            lambda: lq.quantize_tensor_rows_cols(x, None, "e4m3", None, R, history=h), 50)
+    lq.TUNING["delayed"] = saved
     ms["transposed copy alone, current"] = back_to_back_ms(
         lambda: lq.quantize_tensor_rows_cols(x, None, "e4m3", None, R), 50)
     h = fresh()

@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lpoptim.nn.delayed import GRAD, X, AmaxHistory, new_history
+from lpoptim.nn.delayed import GRAD, WEIGHT, X, AmaxHistory, new_history
 from lpoptim.nn.functional import lowbit_linear
 from lpoptim.nn.linear import LowBitLinear
-from lpoptim.nn.operands import quantize_operand_ref
+from lpoptim.nn.operands import quantize_operand_delayed_keep_amax, quantize_operand_ref
 from lpoptim.nn.recipes import get_recipe
 from lpoptim.quant import finite_absmax
 
@@ -15,7 +15,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _history(length=2, device="cpu"):
-    return AmaxHistory(new_history(length, device), [0, 0], X)
+    return AmaxHistory(new_history(length, device), [0, 0, 0], X)
 
 
 def test_reference_window_is_the_last_length_quantizations():
@@ -28,9 +28,9 @@ def test_reference_window_is_the_last_length_quantizations():
         used.append(h.take_ref(x).item())
     # the largest of its own and the (up to) two before it
     assert used == [1.0, 5.0, 5.0, 5.0, 3.0, 3.0]
-    assert h.calls == [6, 0]
+    assert h.calls == [6, 0, 0]
     dy = AmaxHistory(h.bits, h.calls, GRAD)  # the other row is untouched by x's quantizations
-    assert dy.take_ref(torch.full((2, 2), 7.0)).item() == 7.0 and h.calls == [6, 1]
+    assert dy.take_ref(torch.full((2, 2), 7.0)).item() == 7.0 and h.calls == [6, 1, 0]
 
 
 def test_a_smaller_tensor_takes_the_history_scale_a_larger_its_own():
@@ -72,7 +72,7 @@ def test_one_pass_kernel_matches_the_reference_over_calls(device, fmts, dtype):
             assert torch.equal(got[0].float().cpu(), ref.values.float()), (step, fmt)
             assert torch.equal(got[1].cpu(), ref.scale), step
         assert torch.equal(hk.bits.cpu(), hr.bits), step
-    assert hk.calls == hr.calls == [7, 0]
+    assert hk.calls == hr.calls == [7, 0, 0]
 
 
 def test_second_launch_loops_over_tiles(monkeypatch):
@@ -104,6 +104,33 @@ def test_empty_input_keeps_the_history_consistent(device):
         amax = hr.take_ref(x)
         assert torch.equal(rows[1].cpu(), quantize_operand_ref(x, "e4m3", "tensor", amax=amax).scale)
         assert torch.equal(hk.bits.cpu(), hr.bits)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_weight_quantizer_returns_the_absmax_it_scaled_by(device):
+    """W's delayed quantization (rows only) gives the absmax its scale came from, max(history, own), for Wᵀ in
+    backward: equal to the reference's, whether the history covers W or W outgrew it, codes and history too."""
+    if device == "cpu" and torch.cuda.is_available():
+        pytest.skip("interpreter test; the GPU runs the compiled kernel")
+    import lpoptim.kernels.linear_quant as lq
+    hk, hr = AmaxHistory(new_history(2, device), [0, 0, 0], WEIGHT), AmaxHistory(new_history(2), [0, 0, 0], WEIGHT)
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(48, 70, generator=g).to(torch.bfloat16)
+    for step, mult in enumerate([1.0, 0.5, 0.5, 0.5, 3.0, 1.0]):  # shrinks below its history, then outgrows it
+        wk = (w.float() * mult).to(torch.bfloat16)
+        used = torch.full((), -1.0, device=device)
+        got = lq.quantize_tensor_rows_cols(wk.to(device), "e4m3", None, 80, None, history=hk, used_amax=used)[0]
+        amax = hr.take_ref(wk)
+        ref = quantize_operand_ref(wk, "e4m3", "tensor", None, 80, amax)
+        assert used.item() == amax.item() == hr.bits[WEIGHT].view(torch.float32).max().item(), step
+        assert torch.equal(got[0].float().cpu(), ref.values.float()) and torch.equal(got[1].cpu(), ref.scale)
+        assert torch.equal(hk.bits.cpu(), hr.bits), step
+    assert hk.calls == [0, 0, 6]
+    op, used = quantize_operand_delayed_keep_amax(w.to(device), "e4m3", hk)  # the operand form: the same
+    assert used.item() == hr.take_ref(w).item() and torch.equal(op.scale.cpu(), quantize_operand_ref(
+        w, "e4m3", "tensor", amax=used.cpu()).scale)
+    with pytest.raises(ValueError, match="used_amax"):
+        lq.quantize_tensor_rows_cols(w.to(device), "e4m3", None, 80, None, used_amax=used)
 
 
 def _pair(recipe_a, recipe_b, device="cpu", seed=0):
@@ -148,7 +175,7 @@ def test_layer_first_step_is_current_scaling_then_as_accurate():
             assert torch.equal(yd, yc) and all(torch.equal(a, b) for a, b in zip(gd, gc))
         for bound, d, c, e in zip((0.05, 0.08, 0.09, 1e-5), (yd, *gd), (yc, *gc), (y0, *g0)):
             assert _rel(d, e) < bound and _rel(d, e) < 1.3 * _rel(c, e) + 1e-6, (step, _rel(d, e), _rel(c, e))
-    assert delayed._amax_calls == [4, 4]
+    assert delayed._amax_calls == [4, 4, 4]
     assert delayed.amax_history.view(torch.float32)[:, :4].gt(0).all()
 
 
@@ -167,23 +194,46 @@ def test_layer_meets_a_jump_with_its_own_scale():
     assert m.amax_history[GRAD].view(torch.float32)[:3].gt(0).all()
 
 
+def test_layer_scales_a_shrunken_weight_by_its_history_and_wt_alike(monkeypatch):
+    """W (fp8 per tensor) takes its scale from its history: after the weight shrinks, the forward keeps the
+    larger recorded absmax, and the backward's Wᵀ is quantized with that same absmax (no absmax pass)."""
+    import lpoptim.nn.functional as fn
+    m, current = _pair("fp8_delayed", "fp8_tensor")
+    seen = []
+    real = fn._quantize_wt
+    monkeypatch.setattr(fn, "_quantize_wt", lambda w, r, w_stat: seen.append(w_stat) or real(w, r, w_stat))
+    x, gy = torch.randn(30, 64), torch.randn(30, 48)
+    _step(m, x, gy)
+    big = finite_absmax(m.weight.detach()).item()
+    with torch.no_grad():
+        m.weight.mul_(0.5)
+        current.weight.mul_(0.5)
+    y, _ = _step(m, x, gy)
+    yc, _ = _step(current, x, gy)
+    assert seen[0].item() == big and seen[1].item() == big  # the history's absmax, both steps
+    assert _cos(y, yc) > 0.99 and _rel(y, yc) < 0.05
+    w_amax = m.amax_history[WEIGHT].view(torch.float32)
+    assert sorted(w_amax[w_amax > 0].tolist()) == pytest.approx([big / 2, big])
+    assert m._amax_calls == [2, 2, 2]
+
+
 def test_layer_state_outside_the_state_dict():
     m, _ = _pair("fp8_delayed", "fp8_tensor")
     assert list(m.state_dict()) == list(nn.Linear(64, 48).state_dict()) == ["weight", "bias"]
     assert m.amax_history is None  # made by the first training step, on the weight's device
     _step(m, torch.randn(5, 64), torch.randn(5, 48))
-    assert m.amax_history.shape == (2, 18) and m.amax_history.dtype == torch.int32 and m.amax_history.any()
+    assert m.amax_history.shape == (3, 18) and m.amax_history.dtype == torch.int32 and m.amax_history.any()
     m.reset_amax_history()
-    assert m.amax_history is None and m._amax_calls == [0, 0]
+    assert m.amax_history is None and m._amax_calls == [0, 0, 0]
     _step(m, torch.randn(5, 64), torch.randn(5, 48))
     m2 = LowBitLinear(64, 48, recipe="fp8_delayed", amax_history=4)
     _step(m2, torch.randn(5, 64), torch.randn(5, 48))
-    assert m2.amax_history.shape == (2, 6)
+    assert m2.amax_history.shape == (3, 6)
     m2.load_state_dict(m.state_dict())  # loads like an nn.Linear; the history was of other weights
-    assert m2.amax_history is None and m2._amax_calls == [0, 0]
+    assert m2.amax_history is None and m2._amax_calls == [0, 0, 0]
     m2.recipe = get_recipe("fp8_delayed", amax_history=8)  # a changed recipe gets a history of its length
     _step(m2, torch.randn(5, 64), torch.randn(5, 48))
-    assert m2.amax_history.shape == (2, 10) and m2._amax_calls == [1, 1]
+    assert m2.amax_history.shape == (3, 10) and m2._amax_calls == [1, 1, 1]
 
 
 @pytest.mark.parametrize("how", ["to_empty", "assign"])
@@ -198,7 +248,7 @@ def test_layer_built_on_meta_starts_a_clean_history(how):
         m.load_state_dict(src.state_dict(), assign=True)
     x = torch.randn(5, 64)
     _step(m, x, torch.randn(5, 48))
-    assert m._amax_calls == [1, 1] and m.amax_history.device == m.weight.device
+    assert m._amax_calls == [1, 1, 1] and m.amax_history.device == m.weight.device
     assert m.amax_history[X].view(torch.float32).max().item() == finite_absmax(x).item()
 
 
@@ -208,7 +258,7 @@ def test_no_grad_forward_scales_currently_and_records_nothing():
     _step(m, x * 10, torch.randn(5, 48))  # a history larger than x
     with torch.no_grad():
         y, yc = m(x), current(x)
-    assert torch.equal(y, yc) and m._amax_calls == [1, 1]  # evaluation: current scaling, nothing recorded
+    assert torch.equal(y, yc) and m._amax_calls == [1, 1, 1]  # evaluation: current scaling, nothing recorded
 
 
 def test_functional_form_ignores_histories_for_other_recipes():
@@ -217,7 +267,7 @@ def test_functional_form_ignores_histories_for_other_recipes():
     hist = m._histories()
     x = torch.randn(5, 64, requires_grad=True)
     lowbit_linear(x, m.weight, m.bias, get_recipe("fp8"), histories=hist).sum().backward()  # per row: no history
-    assert m._amax_calls == [1, 1]
+    assert m._amax_calls == [1, 1, 1]
 
 
 def test_int4_takes_the_history_for_its_saved_x_and_dy():
@@ -232,7 +282,7 @@ def test_int4_takes_the_history_for_its_saved_x_and_dy():
         if step == 0:
             assert all(torch.equal(a, b) for a, b in zip(gd, gc))
         assert all(_cos(a, b) > 0.99 for a, b in zip(gd, gc))  # both a few % from fp32, independently
-    assert m._amax_calls == [3, 3]
+    assert m._amax_calls == [3, 3, 0]  # W: its forward is per row, its own scales
 
 
 def test_clear_errors():
@@ -255,7 +305,7 @@ def test_compiled_layer_uses_current_scaling_and_leaves_the_history():
     y, grads = _step(torch.compile(delayed, backend="aot_eager", fullgraph=True), x, gy)
     yc, gc = _step(current, x, gy)
     assert torch.equal(y, yc) and all(torch.equal(a, b) for a, b in zip(grads, gc))
-    assert delayed._amax_calls == [0, 0] and delayed.amax_history is None
+    assert delayed._amax_calls == [0, 0, 0] and delayed.amax_history is None
 
 
 @pytest.mark.gpu

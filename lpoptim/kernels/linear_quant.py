@@ -154,6 +154,11 @@ TUNING = {"rows": dict(block_r=16, block_c=256, num_warps=4), "from_max": dict(b
           # (also for the transposed copy alone, xᵀ / Wᵀ: a tile of its own won alone but not in the layers,
           # docs/results/quant_tune_tensor_cols_h100.txt)
           "tensor": dict(block_r=32, block_c=256, num_warps=8),
+          # with delayed scaling the pass also reduces its tile to one absmax: a narrower tile with 4 warps did that
+          # fastest in a probe (scratch/trans_probe.py: 16384 x 4096 / x 11008, rows and xᵀ E4M3 with the
+          # tile's max, 107 / 283 us against 32 x 256's 117 / 305; without the max both ~101 / 269; a plain copy
+          # 92 / 242)
+          "delayed": dict(block_r=32, block_c=128, num_warps=4),
           # delayed scaling's second launch (quantizing again where x's absmax is beyond its history): programs
           # per SM, each looping over tiles, so that the launch that finds nothing to do ends at once. Measured
           # (quant_tune --modes delayed, docs/results/quant/delayed_quantizer_tune_h100.txt): 113 us with the
@@ -282,14 +287,15 @@ def _quant_tensor_kernel(x_ptr, amax_ptr, row_ptr, row_scale_ptr, col_ptr, col_s
                          C_E4M3: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ON_GPU: tl.constexpr,
                          DELAYED: tl.constexpr, REDO: tl.constexpr, N_SLOTS: tl.constexpr,
-                         SLOTS_P2: tl.constexpr):
+                         SLOTS_P2: tl.constexpr, STORE_USED: tl.constexpr):
     """A (BLOCK_R, BLOCK_C) tile of x scaled by one per-tensor scale: written as rows (R, CP) and/or as columns,
     transposed, (C, RP), zero-padded. The scales (amax / FMAX) are worked out from the finite absmax: x's own at
     ``amax_ptr``, or with DELAYED the largest in x's history ring (nn/delayed.py: N_SLOTS int32 slots from
     ``hist_ptr + HIST_OFFSET``, all but W_SLOT and Z_SLOT), in which case each tile's finite absmax goes into slot
     W_SLOT (an atomic) and the first program zeroes slot Z_SLOT for the next call. REDO, launched after a DELAYED
     pass, quantizes again with x's own absmax (now in W_SLOT) where that exceeds the history's, and else does
-    nothing: no value ever saturates, and the result is the reference's max(history, own) scale.
+    nothing: no value ever saturates, and the result is the reference's max(history, own) scale. With STORE_USED
+    its first program stores that absmax, max(history, own), at ``amax_ptr`` (what a later copy scaled alike takes).
 
     The columns' copy loads the tile again, transposed (from L1/L2: DRAM sees x once), so that each store runs
     along its tile's own dimension 1, as the one-pass column quantizer does. Storing the rows' tile through
@@ -302,6 +308,9 @@ def _quant_tensor_kernel(x_ptr, amax_ptr, row_ptr, row_scale_ptr, col_ptr, col_s
         amax = tl.load(amax_ptr)
     if REDO:  # after the DELAYED pass: x's own absmax is in slot W_SLOT; beyond the history's, x is quantized
         own = tl.load(hist_ptr + HIST_OFFSET + W_SLOT).to(tl.float32, bitcast=True)  # again with its own scale
+        if STORE_USED:
+            if tl.program_id(0) == 0:
+                tl.store(amax_ptr, tl.maximum(own, amax))
         if own > amax:  # a few programs per SM, looping over the tiles: where nothing is redone, they end at once
             n_c = tl.cdiv(tl.maximum(C, CP), BLOCK_C)
             for tile in range(tl.program_id(0), tl.cdiv(tl.maximum(R, RP), BLOCK_R) * n_c, tl.num_programs(0)):
@@ -362,13 +371,15 @@ def _quantize_store(x_ptr, a, b, stride_a, stride_b, A, B, out_ptr, OUT_W, scale
 
 
 @functools.cache
-def _tensor_constexprs(row_fmt, col_fmt, slots: int, block_r: int, block_c: int, interp: bool) -> dict:
-    """_quant_tensor_kernel's constexprs for one configuration (formats, tile, history length; 0: no history)."""
+def _tensor_constexprs(row_fmt, col_fmt, slots: int, block_r: int, block_c: int, interp: bool,
+                       store_used: bool = False) -> dict:
+    """_quant_tensor_kernel's constexprs for one configuration (formats, tile, history length (0: no history),
+    whether the used absmax is stored)."""
     e4m3 = get_format("e4m3")  # the format of a copy not written: any
     return dict(ROWS=row_fmt is not None, **_grid_args_of(row_fmt or e4m3, "R_", container_dtype(row_fmt or e4m3)),
                 COLS=col_fmt is not None, **_grid_args_of(col_fmt or e4m3, "C_", container_dtype(col_fmt or e4m3)),
                 BLOCK_R=block_r, BLOCK_C=block_c, ON_GPU=not interp, N_SLOTS=max(slots, 1),
-                SLOTS_P2=next_power_of_2(max(slots, 1)))
+                SLOTS_P2=next_power_of_2(max(slots, 1)), STORE_USED=store_used)
 
 
 @functools.cache
@@ -395,23 +406,28 @@ def _grid_args_of(fmt, prefix: str, out_dtype: torch.dtype) -> dict:
 
 
 def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int | None, col_cols: int | None,
-                              amax: torch.Tensor | None = None, history=None):
+                              amax: torch.Tensor | None = None, history=None, used_amax: torch.Tensor | None = None):
     """Per-tensor quantization of 2-D ``x`` (any strides) as rows (R, row_cols) with ``row_fmt`` and/or as
     columns, transposed, (C, col_cols) with ``col_fmt``: one pass for the finite absmax (none when ``amax``, x's
     finite absmax as finite_absmax gives it, is passed), one that reads each element once and writes both copies.
     ``history`` (nn.delayed.AmaxHistory, not with ``amax``): delayed scaling, the scale from the history and x's
     absmax recorded by the same pass, which is all the work where the history covers x's absmax; where it does
-    not (the first call, a jump) a second launch quantizes again with x's own.
+    not (the first call, a jump) a second launch quantizes again with x's own; ``used_amax`` (0-dim fp32, with
+    ``history``) receives the absmax the scale came from, max(history, x's own), as history.take_ref returns it.
     A format of None skips that copy. Returns ((values, scale) or None, (values, scale) or None), each equal to
     operands.quantize_operand_ref(..., "tensor") of x or of x.t() (with the amax history.take_ref gives)."""
     R, C = x.shape
     if history is not None and amax is not None:
         raise ValueError("amax or history, not both")
     delayed = history is not None
+    if used_amax is not None and not delayed:
+        raise ValueError("used_amax: with history (delayed scaling) only")
     hist, offset, write, zero = x, 0, 0, 0  # unused unless delayed
     if delayed:
         hist = history.bits
-        amax = x  # an unused pointer; not the history: the interpreter copies aliased arguments back in turn
+        # the used absmax's output, else an unused pointer (not the history: the interpreter copies aliased
+        # arguments back in turn)
+        amax = x if used_amax is None else used_amax
     elif amax is None:
         amax = finite_absmax(x)
     rows = cols = None
@@ -426,7 +442,7 @@ def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int |
                 torch.empty((), device=x.device, dtype=torch.float32))
     rp = col_cols if cols else R
     cp = row_cols if rows else C
-    tune = TUNING["tensor"]
+    tune = TUNING["delayed" if delayed else "tensor"]
     block_r, block_c = tune["block_r"], tune["block_c"]
     if delayed:  # counted once nothing before the launch can fail, so that the ring's slots stay in step
         offset, write, zero = history.advance()
@@ -435,7 +451,7 @@ def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int |
         args = (x, amax, *(rows or (dummy, dummy)), *(cols or (dummy, dummy)), R, C, rp, cp, x.stride(0), x.stride(1),
                 hist, offset, write, zero)
         consts = _tensor_constexprs(row_fmt, col_fmt, history.slots if delayed else 0, block_r, block_c,
-                                    interpreted())
+                                    interpreted(), used_amax is not None)
         launch = launcher(_quant_tensor_kernel)
         launch(grid, *args, DELAYED=delayed, REDO=False, num_warps=tune["num_warps"], **consts)
         if delayed:  # where x's own absmax exceeds the history's (a no-op launch otherwise)
@@ -445,6 +461,8 @@ def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int |
         if delayed:
             amax = history.window_amax(write, zero)
             hist.view(-1)[offset + zero] = 0
+            if used_amax is not None:
+                used_amax.copy_(amax)
         for out, fmt in ((rows, row_fmt), (cols, col_fmt)):
             if out is not None:
                 out[0].zero_()

@@ -19,8 +19,9 @@ from .fp4 import dge_derivative, occ_split, residual_matmul
 from .hadamard import pick_block
 from .native_fp4 import gemm_mxfp4, native_fp4_supported
 from .operands import (Operand, gemm, int8_split_operand, pow2_block_operand, pow2_block_scaled,
-                       quantize_operand, quantize_operand_and_transpose, quantize_operand_keep_col_max,
-                       quantize_operand_keep_tensor_max, quantize_transpose_from_max, tensor_amax, use_kernels)
+                       quantize_operand, quantize_operand_and_transpose, quantize_operand_delayed_keep_amax,
+                       quantize_operand_keep_col_max, quantize_operand_keep_tensor_max, quantize_transpose_from_max,
+                       tensor_amax, use_kernels)
 from .recipes import Recipe
 
 
@@ -123,9 +124,10 @@ class _LowBitLinearFunction(torch.autograd.Function):
         return (dw if factor is None else dw * factor).to(w.dtype)
 
     @staticmethod
-    def forward_gemm_and_xt(x2, w, r: Recipe, out_dtype: torch.dtype, hx=None):
+    def forward_gemm_and_xt(x2, w, r: Recipe, out_dtype: torch.dtype, hx=None, hw=None):
         """(y, xᵀ operand, W's statistic or None) where computing them together pays; (None, None, None) leaves
-        xᵀ to _save_x_for_dw. The statistic lets the backward quantize Wᵀ in one pass (_quantize_wt)."""
+        xᵀ to _save_x_for_dw. The statistic lets the backward quantize Wᵀ in one pass (_quantize_wt). ``hx``,
+        ``hw``: x's and W's amax histories (delayed scaling)."""
         return None, None, None
 
     @staticmethod
@@ -154,14 +156,15 @@ class _LowBitLinearFunction(torch.autograd.Function):
 def lowbit_forward(x2, w, bias, r: Recipe, out_dtype: torch.dtype, want_xt: bool, histories=None):
     """y = x2 Wᵀ + b in ``out_dtype`` with the recipe's forward GEMM, and (when ``want_xt``) the saved xᵀ operand
     for dW and W's statistic for the backward's Wᵀ (fp8: per row on CUDA its column maxima, per tensor its absmax;
-    fp4_fast: its absmax; else None). ``histories``: (x's, dy's) nn.delayed.AmaxHistory for delayed scaling;
-    x's is taken once, by the per-tensor quantization of x (fp8 per tensor: x and xᵀ together; per-row forwards:
-    the saved xᵀ), except fp4_fast's, whose xᵀ comes with x's absmax from the row quantizer (only dy is delayed)."""
+    fp4_fast: its absmax; else None). ``histories``: (x's, dy's, W's) nn.delayed.AmaxHistory for delayed
+    scaling; x's is taken once, by the per-tensor quantization of x (fp8 per tensor: x and xᵀ together; per-row
+    forwards: the saved xᵀ), except fp4_fast's, whose xᵀ comes with x's absmax from the row quantizer (only dy is
+    delayed); W's by an fp8 forward per tensor (its scale also Wᵀ's in backward)."""
     fn = FUNCTIONS[r.fwd_fmt]
-    hx = histories[0] if histories is not None else None
+    hx, hw = (histories[0], histories[2]) if histories is not None else (None, None)
     y = xt = w_stat = None
     if want_xt:
-        y, xt, w_stat = fn.forward_gemm_and_xt(x2, w, r, out_dtype, hx)
+        y, xt, w_stat = fn.forward_gemm_and_xt(x2, w, r, out_dtype, hx, hw)
     if y is None:
         y = fn.forward_gemm(x2, w, r, out_dtype, hx)
     if bias is not None:
@@ -202,13 +205,15 @@ class Fp8LinearFunction(_LowBitLinearFunction):
                     quantize_operand(w, r.fwd_fmt, r.granularity), out_dtype, r.fast_accum)
 
     @staticmethod
-    def forward_gemm_and_xt(x2, w, r, out_dtype, hx=None):
+    def forward_gemm_and_xt(x2, w, r, out_dtype, hx=None, hw=None):
         if r.backward == "int4split" or r.backward_granularity != r.granularity:
             return None, None, None
         # the small weight first (its kernels are short: the host issues x's behind them), then x for the forward
         # and xᵀ for dW, in two passes over x
         if r.granularity == "row":
             wq, w_stat = quantize_operand_keep_col_max(w, r.fwd_fmt)  # W's columns: one pass in backward
+        elif hw is not None:  # delayed: W's scale from its history, recorded by the same pass (no absmax pass);
+            wq, w_stat = quantize_operand_delayed_keep_amax(w, r.fwd_fmt, hw)  # Wᵀ in the backward: the same
         else:  # W's absmax, taken once: its transposed copy in the backward has the same scale
             w_stat = tensor_amax(w)
             wq = quantize_operand(w, r.fwd_fmt, "tensor", amax=w_stat)
@@ -238,7 +243,7 @@ class Fp4LinearFunction(_LowBitLinearFunction):
         return (gemm(xq, wq) + residual_matmul(resid, w)).to(out_dtype)
 
     @staticmethod
-    def forward_gemm_and_xt(x2, w, r, out_dtype, hx=None):
+    def forward_gemm_and_xt(x2, w, r, out_dtype, hx=None, hw=None):
         # per-row E2M1 without outlier clamping or power-of-two blocks (fp4_fast): the fused 4-bit path
         if r.occ_alpha is not None or r.fp4_block or r.granularity != "row":
             return None, None, None
@@ -288,7 +293,7 @@ def lowbit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   out_dtype: torch.dtype | None = None, histories=None) -> torch.Tensor:
     """The functional form: y = x Wᵀ + b with the recipe's low-bit GEMMs, forward and backward.
 
-    ``histories``: (x's, dy's) nn.delayed.AmaxHistory, which a recipe with scaling="delayed" needs to train
+    ``histories``: (x's, dy's, W's) nn.delayed.AmaxHistory, which a recipe with scaling="delayed" needs to train
     (LowBitLinear keeps them); ignored by other recipes. Without grad (evaluation) a delayed recipe without
     histories scales as current scaling does. Under torch.compile delayed scaling is not applied: scales are
     current (Inductor fuses the absmax into the ops around it) and the histories are left as they are.
@@ -314,6 +319,8 @@ def lowbit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     elif recipe.scaling == "delayed" and histories is None and torch.is_grad_enabled():
         raise ValueError(f"recipe {recipe.name!r} uses delayed scaling, which keeps per-layer state: use "
                          "LowBitLinear (or convert_linears), or pass histories=")
+    if histories is not None and len(histories) != 3:
+        raise ValueError(f"histories: (x's, dy's, W's) AmaxHistory, got {len(histories)}")
     fn = FUNCTIONS[recipe.fwd_fmt]
     with torch.autocast(x.device.type, enabled=False):
         return fn.apply(x, weight, bias, recipe, out_dtype, torch.is_grad_enabled(), histories)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .delayed import GRAD, X, AmaxHistory, new_history
+from .delayed import ROLES, AmaxHistory, new_history
 from .functional import lowbit_linear
 from .recipes import Recipe, get_recipe
 
@@ -43,15 +43,15 @@ class LowBitLinear(nn.Linear):
 
     def reset_amax_history(self) -> None:
         """Delayed scaling (recipe.scaling == "delayed"): forget the recorded absmax values, so that the next
-        quantization of x and of dy scales by its own.
+        quantization of x, dy and W scales by its own.
 
-        The history (``amax_history``, (2, amax_history + 2) int32, or None before the first training step) is made
+        The history (``amax_history``, (3, amax_history + 2) int32, or None before the first training step) is made
         on the weight's device by the first forward that records, not a buffer: the state_dict stays nn.Linear's,
         data-parallel wrappers do not broadcast it, and a layer built on "meta" and materialized (``to_empty``,
         ``load_state_dict(..., assign=True)``) never runs on uninitialized slots. Loading weights, moving the layer
         to another device and ``reset_parameters`` start it afresh."""
         self.amax_history = None
-        self._amax_calls = [0, 0]  # quantizations of x and of dy so far (on the host: no synchronization)
+        self._amax_calls = [0] * len(ROLES)  # quantizations of x, dy, W so far (on the host: no synchronization)
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
@@ -63,7 +63,7 @@ class LowBitLinear(nn.Linear):
         self.reset_amax_history()  # recorded for other weights
 
     def _histories(self):
-        """(x's, dy's) AmaxHistory for a training step with delayed scaling; None for current scaling, which
+        """(x's, dy's, W's) AmaxHistory for a training step with delayed scaling; None for current scaling, which
         compiled layers, forwards without grad (evaluation, inference) and CUDA-graph captures use: they record
         nothing."""
         if self.recipe.scaling != "delayed" or torch.compiler.is_compiling() or not torch.is_grad_enabled():
@@ -74,7 +74,7 @@ class LowBitLinear(nn.Linear):
         if h is None or h.device != self.weight.device or h.shape[1] != self.recipe.amax_history + 2:
             self.reset_amax_history()  # first use, a moved layer, or a recipe changed after construction
             self.amax_history = h = new_history(self.recipe.amax_history, self.weight.device)
-        return tuple(AmaxHistory(h, self._amax_calls, role) for role in (X, GRAD))
+        return tuple(AmaxHistory(h, self._amax_calls, role) for role in ROLES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return lowbit_linear(x, self.weight, self.bias, self.recipe, histories=self._histories())

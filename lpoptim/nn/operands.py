@@ -185,6 +185,22 @@ def quantize_operand_keep_tensor_max(x: torch.Tensor, fmt, pad_to: int = 16) -> 
     return Operand(values, scale), bits.view(torch.float32)
 
 
+def quantize_operand_delayed_keep_amax(x: torch.Tensor, fmt, history, pad_to: int = 16) -> tuple[Operand, torch.Tensor]:
+    """quantize_operand(x, fmt, "tensor", history=history), and the absmax its scale came from (0-dim fp32,
+    max(history, x's own)): a later copy of x.t() given it as ``amax`` has the same scale (a weight: rows in the
+    forward, columns in the backward, with no absmax pass of their own)."""
+    if x.dim() != 2:
+        raise ValueError(f"expected a 2-D tensor, got shape {tuple(x.shape)}")
+    cols = padded(x.shape[1], pad_to)
+    if use_kernels(x):
+        from ..kernels.linear_quant import quantize_tensor_rows_cols
+        used = torch.empty((), device=x.device, dtype=torch.float32)
+        rows = quantize_tensor_rows_cols(x, fmt, None, cols, None, history=history, used_amax=used)[0]
+        return Operand(*rows), used
+    amax = history.take_ref(x)
+    return quantize_operand_ref(x, fmt, "tensor", None, cols, amax), amax
+
+
 def quantize_transpose_from_max(x: torch.Tensor, fmt, col_max: torch.Tensor, pad_to: int = 16) -> Operand:
     """quantize_operand(x.t(), fmt) per row, in one pass with the column maxima quantize_operand_keep_col_max
     left. x must not have changed since: autograd's version check guards a saved weight."""
