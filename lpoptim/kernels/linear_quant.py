@@ -154,10 +154,10 @@ TUNING = {"rows": dict(block_r=16, block_c=256, num_warps=4), "from_max": dict(b
           # (also for the transposed copy alone, xᵀ / Wᵀ: a tile of its own won alone but not in the layers,
           # docs/results/quant_tune_tensor_cols_h100.txt)
           "tensor": dict(block_r=32, block_c=256, num_warps=8),
-          # with delayed scaling the pass also reduces its tile to one absmax: a narrower tile with 4 warps did that
-          # fastest in a probe (scratch/trans_probe.py: 16384 x 4096 / x 11008, rows and xᵀ E4M3 with the
-          # tile's max, 107 / 283 us against 32 x 256's 117 / 305; without the max both ~101 / 269; a plain copy
-          # 92 / 242)
+          # with delayed scaling the pass also reduces its tile to one absmax: a narrower tile with 4 warps does
+          # that fastest (quant_tune --modes delayed, docs/results/quant/delayed_tile_tenth_h100.txt: x and xᵀ
+          # 110 / 284 us on 16384 x 4096 / x 11008 against 32 x 256's 116 / 295; xᵀ alone 92 / 212 against
+          # 98 / 218; a plain bf16 copy of x takes 92 / 242: benchmarks/quant_transpose_probe.py)
           "delayed": dict(block_r=32, block_c=128, num_warps=4),
           # delayed scaling's second launch (quantizing again where x's absmax is beyond its history): programs
           # per SM, each looping over tiles, so that the launch that finds nothing to do ends at once. Measured
