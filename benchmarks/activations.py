@@ -274,6 +274,9 @@ def main(argv=None):
         "bf16 full recompute": (v_checkpoint, False),
         "lpoptim": (v_lp(), False),
         "lpoptim attn fp8": (v_lp(attention="fp8"), False),
+        # replays and decodes one kernel each (before fused_replay.py; the CPU's default)
+        "lpoptim op-by-op replays": (v_lp(fuse_replays=False), False),
+        "lpoptim attn fp8 op-by-op replays": (v_lp(attention="fp8", fuse_replays=False), False),
         "lpoptim no derive": (v_lp(derive=False), False),
         "lpoptim recompute": (v_lp(recompute=True), False),
         "lpoptim compiled": (v_lp(compile_=True), False),

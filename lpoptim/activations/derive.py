@@ -144,13 +144,17 @@ class Derived(ComputedOnce):
     is replayed once and the result handed to the next ``uses - 1`` readers, then let go of. RMSNorm's output,
     saved by the q, k and v projections, is one replay instead of three."""
 
-    __slots__ = ("func", "args", "kwargs", "uses", "_memo", "_left")
+    __slots__ = ("func", "args", "kwargs", "fuse", "uses", "_memo", "_left")
 
-    def __init__(self, func, args, kwargs):
-        self.func, self.args, self.kwargs = func, args, kwargs
+    def __init__(self, func, args, kwargs, fuse: bool = False):
+        self.func, self.args, self.kwargs, self.fuse = func, args, kwargs, fuse
         self.uses, self._memo, self._left = 0, None, 0
 
     def compute(self) -> torch.Tensor:
+        if self.fuse:  # with the replays and decodes below it, as one compiled kernel (fused_replay.py)
+            out = _fused_replay().run(self)
+            if out is not None:
+                return out
         return self.replay()
 
     def replay(self) -> torch.Tensor:
@@ -180,9 +184,12 @@ def _view_of(base: torch.Tensor, size, stride, offset: int) -> torch.Tensor:
 
 def derive(ctx, t: torch.Tensor):
     """A Derived giving ``t``'s value from what ``ctx`` (a PackContext) holds, or None."""
+    fuse = ctx.policy.fuse_replays
+    if fuse is None:
+        fuse = t.is_cuda
     src = getattr(t, _SRC, None)
     if src is not None and src.token is ctx.token and src.version == t._version:
-        return _from_source(ctx, src, 0)
+        return _from_source(ctx, src, 0, fuse)
     base = t._base
     if base is None:
         return _param_cast(ctx, t)
@@ -194,13 +201,13 @@ def derive(ctx, t: torch.Tensor):
         if b is None and base.is_contiguous():
             bsrc = getattr(base, _SRC, None)
             if bsrc is not None and bsrc.token is ctx.token and bsrc.version == base._version:
-                b = _from_source(ctx, bsrc, 0)
+                b = _from_source(ctx, bsrc, 0, fuse)
         if b is None:
             b = _param_cast(ctx, base)
         if b is None:
             return None
         return Derived(_view_of, [(True, b), (False, tuple(t.shape)), (False, t.stride()),
-                                  (False, t.storage_offset() - base.storage_offset())], {})
+                                  (False, t.storage_offset() - base.storage_offset())], {}, fuse)
     return None
 
 
@@ -240,7 +247,19 @@ def _cast(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return p.to(dtype)
 
 
-def _from_source(ctx, src: Source, depth: int):
+_FUSED = None
+
+
+def _fused_replay():
+    """fused_replay.py, imported on first use (it imports this module)."""
+    global _FUSED
+    if _FUSED is None:
+        from . import fused_replay
+        _FUSED = fused_replay
+    return _FUSED
+
+
+def _from_source(ctx, src: Source, depth: int, fuse: bool):
     if depth >= MAX_DEPTH:
         return None
     args = []
@@ -259,8 +278,8 @@ def _from_source(ctx, src: Source, depth: int):
         if r is None:
             r = ready
         if r is None and asrc is not None:
-            r = _from_source(ctx, asrc, depth + 1)
+            r = _from_source(ctx, asrc, depth + 1, fuse)
         if r is None:
             return None
         args.append((True, r))
-    return Derived(src.func, args, src.kwargs)
+    return Derived(src.func, args, src.kwargs, fuse)

@@ -45,6 +45,9 @@ class ActivationPolicy:
     unknown: granularity for tensors saved by an op the tracker cannot name ("group" or "row").
     derive: replay cheap element-wise results (SiLU's output, a norm's output, dtype casts, views) in backward
         from tensors already held, instead of saving them (derive.py).
+    fuse_replays: run each chain of replays, with the decoding of the packed tensors it starts from, as one
+        compiled kernel (fused_replay.py: Inductor, compiled once per structure on the first backward). None:
+        on CUDA tensors; True / False: always / never (the CPU's compile is slow and gains little).
     """
 
     fmt: FloatFormat | str = E4M3
@@ -55,6 +58,7 @@ class ActivationPolicy:
     recompute: bool = False
     unknown: str = "group"
     derive: bool = True
+    fuse_replays: bool | None = None
 
     def __post_init__(self):
         fmt = get_format(self.fmt)

@@ -93,7 +93,8 @@ def compress_activations(blocks: nn.Module | Iterable[nn.Module], policy: Activa
 
     ``blocks``: one module, or a list / ``nn.ModuleList`` of modules (e.g. ``model.layers``), each wrapped on
     its own (a ModuleList is never called, so its elements are). ``options`` are ``ActivationPolicy`` fields:
-    ``recompute``, ``attention``, ``gemm_granularity``, ``group_size``, ``min_numel``, ``unknown``.
+    ``recompute``, ``attention``, ``gemm_granularity``, ``group_size``, ``min_numel``, ``unknown``, ``derive``,
+    ``fuse_replays``.
     """
     if policy is None:
         policy = ActivationPolicy(**options)
