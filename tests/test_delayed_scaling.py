@@ -201,7 +201,7 @@ def test_layer_scales_a_shrunken_weight_by_its_history_and_wt_alike(monkeypatch)
     m, current = _pair("fp8_delayed", "fp8_tensor")
     seen = []
     real = fn._quantize_wt
-    monkeypatch.setattr(fn, "_quantize_wt", lambda w, r, w_stat: seen.append(w_stat) or real(w, r, w_stat))
+    monkeypatch.setattr(fn, "_quantize_wt", lambda w, r, w_stat, hw=None: seen.append(w_stat) or real(w, r, w_stat, hw))
     x, gy = torch.randn(30, 64), torch.randn(30, 48)
     _step(m, x, gy)
     big = finite_absmax(m.weight.detach()).item()
@@ -282,7 +282,8 @@ def test_int4_takes_the_history_for_its_saved_x_and_dy():
         if step == 0:
             assert all(torch.equal(a, b) for a, b in zip(gd, gc))
         assert all(_cos(a, b) > 0.99 for a, b in zip(gd, gc))  # both a few % from fp32, independently
-    assert m._amax_calls == [3, 3, 0]  # W: its forward is per row, its own scales
+    assert m._amax_calls == [3, 3, 3]  # W: the forward per row (its own scales), the backward's Wᵀ delayed
+    assert m.amax_history[WEIGHT].view(torch.float32).max().item() == finite_absmax(m.weight.detach()).item()
 
 
 def test_clear_errors():

@@ -37,11 +37,13 @@ def _save_x_for_dw(x2: torch.Tensor, r: Recipe, hx=None) -> Operand:
     return quantize_operand(x2.t(), r.bwd_fmt, r.backward_granularity, history=hx)
 
 
-def _quantize_wt(w, r: Recipe, w_stat) -> Operand:
+def _quantize_wt(w, r: Recipe, w_stat, hw=None) -> Operand:
     """Wᵀ (K, N) for dx = dy W, W per input channel (or per tensor), in one pass where the forward left ``w_stat``:
-    per row, W's column maxima; per tensor, W's absmax (the same scale again)."""
+    per row, W's column maxima; per tensor, W's absmax (the same scale again). Without it, per tensor with
+    ``hw`` (W's amax history: a 4-bit forward's delayed scaling) one pass that records W's absmax."""
     if w_stat is None:
-        return quantize_operand(w.t(), r.bwd_fmt, r.backward_granularity)
+        hw = hw if r.backward_granularity == "tensor" else None
+        return quantize_operand(w.t(), r.bwd_fmt, r.backward_granularity, history=hw)
     per_tensor = w_stat.dim() == 0  # what the forward left: one absmax, or one maximum per column
     if per_tensor != (r.backward_granularity == "tensor"):
         raise ValueError(f"W's statistic from the forward ({'absmax' if per_tensor else 'column maxima'}) does not "
@@ -66,8 +68,9 @@ def _fp4_forward_and_xt(x2, w, r: Recipe, out_dtype):
 
 
 def _fp8_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, dx_dtype, dw_dtype, w_stat=None,
-                  hg=None):
-    """``hg``: dy's amax history (delayed scaling, per tensor), taken once: by whichever quantization comes first."""
+                  hg=None, hw=None):
+    """``hg``: dy's amax history (delayed scaling, per tensor), taken once: by whichever quantization comes first;
+    ``hw``: W's, for a Wᵀ the forward left no statistic for."""
     dx = dw = None
     gq = gt = None
     gran = r.backward_granularity
@@ -79,12 +82,12 @@ def _fp8_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, d
         gt = None  # freed before Wᵀ and dx are made: the peak stays below what it was with dx first
     if need_dx:
         gq = gq or quantize_operand(g2, r.grad_fmt, gran, history=None if need_dw else hg)    # (M, N)
-        dx = gemm(gq, _quantize_wt(w, r, w_stat), dx_dtype)
+        dx = gemm(gq, _quantize_wt(w, r, w_stat, hw), dx_dtype)
     return dx, dw
 
 
 def _int4split_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, dx_dtype, dw_dtype,
-                        w_stat=None, hg=None):
+                        w_stat=None, hg=None, hw=None):
     """dy as INT8 (after a Hadamard along the contraction dim) split into two INT4 halves, the other operand INT4.
     ``w_stat`` is the fp8 backward's (W's statistic from the forward); the INT4 weight here is Hadamard-mixed."""
     dx = dw = None
@@ -177,7 +180,7 @@ def lowbit_forward(x2, w, bias, r: Recipe, out_dtype: torch.dtype, want_xt: bool
 def lowbit_backward(g2, w, xt: Operand | None, w_stat, r: Recipe, need_dx: bool, need_dw: bool, need_db: bool,
                     x_dtype: torch.dtype, histories=None):
     """(dx2, dW, db), None where not needed: the backward GEMMs of the recipe; dW needs the saved xᵀ.
-    ``histories``: as lowbit_forward's (dy's is taken here)."""
+    ``histories``: as lowbit_forward's (dy's is taken here, and W's where the forward left no statistic)."""
     need_dw = need_dw and xt is not None
     with torch.autocast(g2.device.type, enabled=False):
         bwd = _int4split_backward if r.backward == "int4split" else _fp8_backward
@@ -188,7 +191,7 @@ def lowbit_backward(g2, w, xt: Operand | None, w_stat, r: Recipe, need_dx: bool,
         if fn.has_weight_grad_factor(r) and not (use_kernels(g2) and r.backward_granularity == "row"):
             dw_dtype = torch.float32
         dx, dw = bwd(g2, w, xt, r, need_dx, need_dw, x_dtype, dw_dtype, w_stat,
-                     histories[1] if histories is not None else None)
+                     *(histories[1:] if histories is not None else (None, None)))
         if dw is not None:
             dw = fn.finish_weight_grad(dw, w, r)
         if dx is not None:

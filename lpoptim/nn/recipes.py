@@ -35,8 +35,8 @@ class Recipe:
     # largest absmax of the operand's last ``amax_history`` quantizations, recorded by the quantizing pass itself:
     # Transformer Engine's DelayedScaling, without its saturation; nn/delayed.py). Delayed applies to the per-tensor
     # quantizations of x (the fp8 forward, the saved xᵀ; not fp4_fast's, whose absmax comes free), of dy, and of
-    # W where the forward is fp8 per tensor (the same scale then serves Wᵀ in backward; 4-bit forwards keep W's
-    # own row scales). Needs the layer's state: LowBitLinear keeps it
+    # W per tensor (an fp8 forward's, whose scale then serves Wᵀ in backward; else the backward's Wᵀ, as int4's;
+    # 4-bit forwards keep W's own row scales). Needs the layer's state: LowBitLinear keeps it
     scaling: str = "current"
     amax_history: int = 16
     # fp4 (Wang et al. 2025, arXiv 2501.17116)
