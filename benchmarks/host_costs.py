@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,15 +23,10 @@ from lpoptim.bench import environment  # noqa: E402
 
 
 def per_call_us(fn, n=200) -> float:
+    """Host time of one call of ``fn`` (us), after five warm-up calls: timing.enqueue_ms's host figure."""
     for _ in range(5):
         fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t0) * 1e6 / n
-    torch.cuda.synchronize()
-    return us
+    return enqueue_ms(lambda i: fn(), n)[0] * 1e3
 
 
 def primitive_costs() -> dict:

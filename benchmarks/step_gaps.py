@@ -21,7 +21,8 @@ from benchmarks.linear import warm_layer_steps  # noqa: E402
 
 
 def kernel_gaps(step, steps: int = 3) -> list[list[tuple[str, float, float]]]:
-    """Per traced step: (kernel name, idle µs before it, its µs), in GPU order."""
+    """Per traced step: (kernel name, idle µs before it, its µs), in GPU order; the first kernel's idle time counts
+    from the step's first host op (the host's lead-in: what the GPU waits for before anything runs)."""
     from torch.profiler import ProfilerActivity, profile
     out = []
     for i in range(steps):
@@ -33,7 +34,8 @@ def kernel_gaps(step, steps: int = 3) -> list[list[tuple[str, float, float]]]:
             prof.export_chrome_trace(f.name)
             events = json.load(open(f.name))["traceEvents"]
         kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset")), key=lambda e: e["ts"])
-        rows, end = [], None
+        host_ops = [e["ts"] for e in events if e.get("cat") == "cpu_op"]
+        rows, end = [], min(host_ops) if host_ops else None
         for e in kernels:
             rows.append((e["name"][:48], 0.0 if end is None else e["ts"] - end, e["dur"]))
             end = e["ts"] + e["dur"]

@@ -13,6 +13,8 @@ from lpoptim.activations import (ActivationPolicy, compress_activations, is_wrap
 from lpoptim.quant import quantize
 from lpoptim.train.gpt import GPT, Block, GPTConfig
 
+from block_grads import _grads, _min_cos
+
 
 def _gpt_block(dtype):
     torch.manual_seed(0)
@@ -43,21 +45,6 @@ def _encoder_block(dtype):
 
 
 BLOCKS = {"gpt": _gpt_block, "llama": _llama_block, "encoder": _encoder_block}
-
-
-def _grads(block, x, kwargs, params_of=None):
-    x = x.detach().requires_grad_(True)
-    params_of = params_of or block
-    params_of.zero_grad(set_to_none=True)
-    y = block(x, **kwargs)
-    y = y[0] if isinstance(y, tuple) else y
-    w = torch.linspace(-1, 1, y.shape[-1], dtype=y.dtype, device=y.device)
-    (y.float() * w.float()).pow(2).sum().backward()
-    return {"input": x.grad.float()} | {n: p.grad.float() for n, p in params_of.named_parameters()}
-
-
-def _min_cos(a, b):
-    return min(F.cosine_similarity(a[k].flatten(), b[k].flatten(), dim=0).item() for k in a)
 
 
 @pytest.mark.parametrize("name", list(BLOCKS))

@@ -12,7 +12,7 @@ from lpoptim.activations.graph_hooks import pack_in_graph, unpack_in_graph
 from lpoptim.activations.policy import ActivationPolicy
 from lpoptim.formats import E4M3, round_to_grid
 from lpoptim.quant import finite_absmax, pow2_block_exponent, to_groups
-from test_activations import _grads, _min_cos  # the gradient helpers of the eager wrapper's tests
+from block_grads import _grads, _min_cos
 
 
 def _pow2(e):
