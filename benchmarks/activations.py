@@ -11,7 +11,9 @@ In one run, on the same block and inputs (bf16 parameters and activations):
 Saved MiB: allocator bytes held after forward (output excluded), on CUDA; "hooks MiB" is what the saved-tensor
 hooks saw (lpoptim's accounting: lpoptim.activations.record_saved for the unwrapped variants, handle.record() for
 the wrapped ones). Time: CUDA events around forward+backward after warm-up, median of --iters, two inputs
-alternated (64 MiB each: larger than L2), random output gradients. Floor: the block's GEMM and attention FLOPs
+alternated (64 MiB each: larger than L2), random output gradients; "b2b": the same steps queued back to back,
+ms per step (a model of many blocks, whose host runs ahead of the GPU: host work the GPU would wait on in a
+step timed alone is hidden unless the host is the slower). Floor: the block's GEMM and attention FLOPs
 over the dense bf16 (or FP8 for the GEMMs of FP8 variants) rate measured on an H100 in ../shared/DESIGN.md §6.
 """
 from __future__ import annotations
@@ -35,7 +37,7 @@ from torch._functorch import config as functorch_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lpoptim.activations import compress_activations, record_saved  # noqa: E402
-from benchmarks.timing import profile_steps, timer  # noqa: E402
+from benchmarks.timing import back_to_back_ms, profile_steps, timer  # noqa: E402
 from lpoptim.bench import environment  # noqa: E402
 
 TARGET_SAVED_MIB = 500.0
@@ -126,7 +128,9 @@ def sync(device):
 
 
 def measure(run, params, xs, dy, extra, device, warmup, iters):
-    """(saved MiB by the allocator or None, peak MiB during fwd+bwd or None, median ms, first-call s)."""
+    """(saved MiB by the allocator or None, peak MiB during fwd+bwd or None, median ms of a step synchronized
+    alone, ms per step queued back to back (CUDA only: a model of many blocks, whose host runs ahead) or None,
+    first-call s)."""
     def step(x):
         for p in params:
             p.grad = None
@@ -159,7 +163,8 @@ def measure(run, params, xs, dy, extra, device, warmup, iters):
         peak = (torch.cuda.max_memory_allocated() - before) / 2**20
     turn = iter(range(iters))
     ms = timer(lambda: step(xs[next(turn) % len(xs)]), 0, iters, device.type == "cuda")
-    return saved, peak, ms, first_s
+    b2b = back_to_back_ms(lambda: step(xs[next(turn) % len(xs)]), iters) if device.type == "cuda" else None
+    return saved, peak, ms, b2b, first_s
 
 
 def hooks_mib(run, block, x, extra, handle=None):
@@ -329,12 +334,13 @@ def main(argv=None):
             try:
                 run, mod, handle = build()
                 params = [p for p in mod.parameters() if p.requires_grad]
-                saved, peak, ms, first = measure(run, params, xs, dy, extra, device, args.warmup, iters)
+                saved, peak, ms, b2b, first = measure(run, params, xs, dy, extra, device, args.warmup, iters)
                 hm, kinds = hooks_mib(run, mod, xs[0], extra, handle)
                 if args.profile:
                     row["profile"] = profile_variant(run, params, xs, dy, extra, Path(args.out).parent, name)
                 row |= {"saved_mib": None if saved is None else round(saved, 1),
                         "peak_mib": None if peak is None else round(peak, 1), "ms": round(ms, 3),
+                        "ms_back_to_back": None if b2b is None else round(b2b, 3),
                         "first_call_s": round(first, 2), "hooks_mib": round(hm, 1), "hooks_by_kind": kinds}
             except Exception as e:  # noqa: BLE001  (one failing variant must not lose the others)
                 row["error"] = f"{type(e).__name__}: {e}"
@@ -358,6 +364,8 @@ def main(argv=None):
             row["saved_vs_bf16_eager"] = round(s / base_saved, 3)
         if base_ms:
             row["time_vs_bf16_eager"] = round(row["ms"] / base_ms, 3)
+        if base.get("ms_back_to_back") and row.get("ms_back_to_back"):
+            row["back_to_back_vs_bf16_eager"] = round(row["ms_back_to_back"] / base["ms_back_to_back"], 3)
         if name.startswith("fp8 linears"):
             row["time_vs_fp8_target"] = round(row["ms"] / TARGET_FP8_MS, 3)
 
@@ -373,7 +381,8 @@ def main(argv=None):
           f"{b}x{t} tokens, {dtype}")
     print(f"targets: saved <= {TARGET_SAVED_MIB:.0f} MiB, time <= {TARGET_TIME_RATIO}x bf16 eager, "
           f"FP8 linears <= {TARGET_FP8_MS} ms")
-    hdr = f"{'variant':<34}{'saved MiB':>10}{'hooks MiB':>10}{'/500':>7}{'peak MiB':>10}{'ms':>9}{'x eager':>9}{'floor ms':>9}"
+    hdr = (f"{'variant':<34}{'saved MiB':>10}{'hooks MiB':>10}{'/500':>7}{'peak MiB':>10}{'ms':>9}{'x eager':>9}"
+           f"{'b2b ms':>9}{'x eager':>9}{'floor ms':>9}")
     print(hdr)
     print("-" * len(hdr))
     for name, row in results.items():
@@ -384,7 +393,8 @@ def main(argv=None):
             return format(v, spec) if v is not None else format("-", ">" + spec.split(".")[0])
         print(f"{name:<34}{f(row['saved_mib'], '10.1f')}{f(row['hooks_mib'], '10.1f')}"
               f"{f(row.get('saved_vs_target'), '7.2f')}{f(row['peak_mib'], '10.1f')}{row['ms']:9.2f}"
-              f"{f(row.get('time_vs_bf16_eager'), '9.3f')}{row['floor_ms']:9.2f}")
+              f"{f(row.get('time_vs_bf16_eager'), '9.3f')}{f(row.get('ms_back_to_back'), '9.2f')}"
+              f"{f(row.get('back_to_back_vs_bf16_eager'), '9.3f')}{row['floor_ms']:9.2f}")
     print(f"wrote {out}")
 
 
