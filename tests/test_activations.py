@@ -252,7 +252,35 @@ def test_pack_matches_the_quant_reference():
     assert pack(xt, "group").unpack().stride() == xt.stride()
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_attention_output_is_packed_as_the_output_projections_input(compiled):
+    """Attention's out, which the o-projection reads too, is packed per row like every GEMM input (COAT keeps a
+    linear layer's input in FP8); q, k, v and the logsumexp stay as ``attention`` says. ``attention_output="keep"``
+    keeps it; both give the unwrapped block's gradients within the wrapper's bounds."""
+    block, (cos, sin) = _tiny_llama(torch.float32)
+    x = torch.randn(2, 32, 128)
+    ref = _grads(block, x, {"cos": cos, "sin": sin})
+    kept = {}
+    for opt in ("gemm", "keep"):
+        torch._dynamo.reset()
+        run = torch.compile(block) if compiled else block
+        handle = compress_activations(run, attention_output=opt)
+        with handle.record() as stats:
+            got = _grads(run, x, {"cos": cos, "sin": sin}, params_of=block)
+        if compiled:
+            stats = handle.graph_stats()
+        kept[opt] = stats.bytes_by_kind().get("attention", 0)
+        rows = [r for r in stats.records if r.kind == "fp8_row" and r.shape == (2, 4, 32, 32)]
+        assert bool(rows) == (opt == "gemm"), (opt, [(r.kind, r.op, r.shape) for r in stats.records])
+        assert _min_cos(ref, got) >= 0.999
+        handle.remove()
+    q_bytes = 2 * 4 * 32 * 32 * 4  # fp32 (b, h, t, hd): what leaving the out kept costs
+    assert kept["keep"] - kept["gemm"] == q_bytes
+
+
 def test_policy_validation():
+    with pytest.raises(ValueError, match="attention_output"):
+        ActivationPolicy(attention_output="fp8")
     with pytest.raises(ValueError):
         ActivationPolicy(attention="bf16")
     with pytest.raises(ValueError):

@@ -23,7 +23,8 @@ The graph rules follow hooks.py's, read off the graphs instead of a TorchFunctio
 - only the graph's intermediates are offered (torch's ``saved_tensors_hooks_filtering_mode="donated"``): never
   parameters or inputs; a tensor the graph saves once is packed once;
 - non-float or fp8 tensors, and tensors below ``policy.min_numel`` elements, are kept;
-- a tensor read in backward by an attention kernel follows ``policy.attention``;
+- a tensor read in backward by an attention kernel follows ``policy.attention``, except attention's own output
+  (the output projection's input too), packed per row under ``policy.attention_output="gemm"``;
 - a tensor read in backward only by GEMMs (through views) gets ``policy.gemm_granularity``; everything else
   groups of ``policy.group_size`` along the last dimension (rows where the last dim is not a multiple of it);
 - every scale is a power of two held as one byte (E8M0's biased exponent).
@@ -131,6 +132,12 @@ def classify(info: dict) -> tuple[str, str]:
     return "nonlinear", producer
 
 
+def _attention_output(node: torch.fx.Node, producer: str) -> bool:
+    """The node is an attention op's first output (its out; the logsumexp and the rest come after)."""
+    return (node.op == "call_function" and _op_name(node.target) == "getitem" and len(node.args) > 1
+            and node.args[1] == 0 and any(w in producer for w in _ATTENTION_WORDS))
+
+
 def _hint(v) -> int | None:
     """A concrete value for a size (its hint when symbolic), or None."""
     if isinstance(v, int):
@@ -159,6 +166,8 @@ def pack_in_graph(t: torch.Tensor, info: dict, policy, records: dict | None):
     if numel is None or n is None or (numel < policy.min_numel and not isinstance(t.numel(), torch.SymInt)):
         return _kept(t, info, "small", producer, records)
     gran = policy.granularity_of(kind, producer)
+    if gran is None and policy.attention_output == "gemm" and _attention_output(info["_node"], producer):
+        gran = policy.gemm_granularity  # also the output projection's input (as the eager rule, hooks.py)
     if gran is None:
         return _kept(t, info, "attention", producer, records)
     if gran == "group" and (n % policy.group_size or isinstance(t.shape[-1], torch.SymInt)):

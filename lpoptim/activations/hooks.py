@@ -14,7 +14,8 @@ Rules ``pack`` applies, in order:
    first packed copy;
 4. tensors below ``min_numel`` elements, or not smaller once packed (e.g. a last dimension of 1 with groups
    of 16), are left alone;
-5. attention's saved tensors follow ``policy.attention``;
+5. attention's saved tensors follow ``policy.attention``, but its output, which the output projection reads
+   too, is packed as a GEMM input (``policy.attention_output``);
 6. a tensor that a cheap element-wise op computed from things already held, or autocast's low-precision copy
    of a parameter, is replayed in backward instead (``policy.derive``, derive.py): it costs no bytes;
 7. the rest is packed: per row (or tensor) if a GEMM saved it, per group of 16 otherwise.
@@ -94,6 +95,22 @@ class OpTracker(TorchFunctionMode):
         if derivable and self.ctx is not None:
             record(self.ctx, func, args, kwargs, out)
         return out
+
+
+def _is_attention_output(t: torch.Tensor) -> bool:
+    """``t`` is the differentiable output of the attention op saving it (its out, not q, k, v or the logsumexp):
+    saved as an output, it already has the attention node as its grad_fn."""
+    fn = t.grad_fn
+    if fn is None:
+        return False
+    name = type(fn).__name__
+    hit = _ATTENTION_NODES.get(name)
+    if hit is None:
+        hit = _ATTENTION_NODES[name] = "Attention" in name or "ScaledDotProduct" in name
+    return hit
+
+
+_ATTENTION_NODES: dict[str, bool] = {}
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:
@@ -283,7 +300,9 @@ class PackContext:
         policy = self.policy
         gran = policy.granularity_for(self.tracker.op)
         if gran is None:
-            return self._keep("attention", t)
+            if policy.attention_output != "gemm" or not _is_attention_output(t):
+                return self._keep("attention", t)
+            gran = policy.gemm_granularity  # also the output projection's input: a GEMM input
         numel = t.numel()
         nbytes = numel * t.element_size()
         if numel < policy.min_numel or packed_nbytes(t, gran, policy.group_size, policy.fmt) * 3 > nbytes * 2:

@@ -39,6 +39,9 @@ class ActivationPolicy:
         needs a reduction pass before quantizing).
     group_size: group length along the last dimension for tensors that feed non-linear ops (COAT: 16).
     attention: "keep" leaves attention's saved tensors as they are (COAT's choice), "fp8" compresses them.
+    attention_output: attention's output is also the output projection's input, which COAT stores in FP8 like
+        every linear layer's input: "gemm" packs it as a GEMM input (per row) whatever ``attention`` says of
+        q, k and v; "keep" follows ``attention`` for it too.
     min_numel: tensors with fewer elements are left alone (norm statistics, biases: not worth a launch).
     recompute: save only the block's inputs (in FP8, groups of ``group_size``) and run the block again in
         backward: an FP8 activation checkpoint.
@@ -54,6 +57,7 @@ class ActivationPolicy:
     gemm_granularity: str = "row"
     group_size: int = 16
     attention: str = "keep"
+    attention_output: str = "gemm"
     min_numel: int = 4096
     recompute: bool = False
     unknown: str = "group"
@@ -69,6 +73,8 @@ class ActivationPolicy:
             raise ValueError(f"gemm_granularity must be 'row' or 'tensor', got {self.gemm_granularity!r}")
         if self.attention not in ("keep", "fp8"):
             raise ValueError(f"attention must be 'keep' or 'fp8', got {self.attention!r}")
+        if self.attention_output not in ("gemm", "keep"):
+            raise ValueError(f"attention_output must be 'gemm' or 'keep', got {self.attention_output!r}")
         if self.unknown not in ("group", "row"):
             raise ValueError(f"unknown must be 'group' or 'row', got {self.unknown!r}")
         if self.group_size < 1:
