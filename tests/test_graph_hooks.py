@@ -68,7 +68,7 @@ def test_group_kernel_matches_reference(dtype):
         quantize_groups_pow2(x[:, :40], 16)  # not a multiple of the group
     from lpoptim.kernels.act_quant import dequantize_groups_pow2
     for out_dtype in (torch.float32, torch.bfloat16):  # the decoding kernel: unpack_in_graph's torch ops, bit for bit
-        want = unpack_in_graph((codes.cpu(), exps.cpu(), "group", out_dtype))
+        want = unpack_in_graph((codes.cpu(), exps.cpu(), "group", out_dtype, None))
         got = dequantize_groups_pow2(codes, exps, out_dtype).cpu()
         assert got.dtype == out_dtype and torch.equal(got.isnan(), want.isnan())
         assert torch.equal(got[~want.isnan()], want[~want.isnan()])
@@ -106,6 +106,23 @@ def test_pack_in_graph_round_trip(reader, gran):
     (rec,) = records.values()
     assert rec.kind == f"fp8_{gran}" and rec.original == x.numel() * 4
     assert rec.stored == x.numel() + {"row": 64, "group": 64 * 3, "tensor": 1}[gran]
+
+
+@pytest.mark.parametrize("reader", [torch.ops.aten.mm.default, torch.ops.aten.mul.Tensor])
+def test_pack_in_graph_restores_a_permuted_layout(reader):
+    """A saved tensor laid out as a permutation of contiguous memory (attention's q, k, v and out) comes back with
+    its strides (a compiled backward reinterprets saved buffers by them), packed in memory order: the same codes
+    as the contiguous copy's rows; a layout that is no permutation (a strided slice) is kept."""
+    base = torch.randn(2, 16, 4, 32)  # (b, t, h, d) in memory
+    x = base.transpose(1, 2)  # (b, h, t, d) with t and h swapped in memory
+    policy = ActivationPolicy(min_numel=16)
+    packed = pack_in_graph(x, _info(reader), policy, None)
+    y = unpack_in_graph(packed)
+    assert y.shape == x.shape and y.stride() == x.stride()
+    direct = unpack_in_graph(pack_in_graph(base, _info(reader), policy, None))
+    assert torch.equal(y, direct.transpose(1, 2))
+    sliced = torch.randn(64, 96)[:, ::2]
+    assert pack_in_graph(sliced, _info(reader), policy, None) is sliced
 
 
 def test_pack_in_graph_keeps_what_it_should():
@@ -156,6 +173,24 @@ def test_compiled_block_bf16_on_gpu():
     got = _grads(run, x, extra, params_of=block)
     assert _min_cos(ref, got) >= 0.999
     assert handle.graph_stats().summary()["fp8_group"]["count"] >= 2
+    handle.remove()
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["keep", "fp8"])
+def test_compiled_block_attention_on_gpu(attention):
+    """Compiled on the GPU, bf16: attention's saved tensors (cuDNN / flash layouts, permuted) packed or kept as
+    asked, attention's output packed as the o-projection's input, gradients within the bounds of the CPU test."""
+    torch._dynamo.reset()
+    block, extra = make_block("plain", 256, 688, 4, 128, "cuda", torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+    ref = _grads(block, x, extra)
+    run = torch.compile(block)
+    handle = compress_activations(run, attention=attention)
+    got = _grads(run, x, extra, params_of=block)
+    assert _min_cos(ref, got) >= (0.999 if attention == "keep" else 0.995)
     handle.remove()
     torch._dynamo.reset()
 

@@ -40,7 +40,7 @@ import threading
 
 import torch
 
-from .codec import decode_pow2, encode_pow2
+from .codec import decode_pow2, encode_pow2, storage_rows
 from .policy import GEMM_OPS
 from .stats import SavedRecord
 
@@ -152,7 +152,8 @@ def _hint(v) -> int | None:
 
 def pack_in_graph(t: torch.Tensor, info: dict, policy, records: dict | None):
     """What the compiled forward saves instead of ``t``: ``t`` itself (kept), or a tuple (codes, biased exponents
-    of the power-of-two scales (uint8), granularity, dtype) that unpack_in_graph decodes."""
+    of the power-of-two scales (uint8), granularity, dtype, (shape, strides) of a permuted ``t`` or None) that
+    unpack_in_graph decodes."""
     dtype = t.dtype
     if info["_node"].op == "placeholder":  # a graph input (parameter, block input): held by its owner anyway
         return _kept(t, info, "parameter", "input", records)  # (torch offers none by default: "donated" only)
@@ -176,10 +177,19 @@ def pack_in_graph(t: torch.Tensor, info: dict, policy, records: dict | None):
     # one power-of-two scale per group, row or tensor, held as a byte (codec.encode_pow2); groups on CUDA through
     # our kernel: Inductor's kernel for the same torch ops took twice as long (H100, docs/activations.md)
     group = policy.group_size if gran == "group" else t.shape[-1] if gran == "row" and t.dim() else None
-    codes, scale = encode_pow2(t, group, fmt, kernel="op" if gran == "group" and t.is_cuda else False)
+    layout, src = None, t
+    if not t.is_contiguous():
+        # the backward graph was compiled for t's strides (Inductor reinterprets saved buffers by them): a
+        # permutation of contiguous memory (attention's q, k, v and out) is packed in memory order and decoded
+        # back onto its strides (codec.storage_rows, as eager packing does); any other layout is kept
+        src = storage_rows(t)
+        if src is None:
+            return _kept(t, info, "other", producer, records)
+        layout = (tuple(t.shape), tuple(t.stride()))
+    codes, scale = encode_pow2(src, group, fmt, kernel="op" if gran == "group" and t.is_cuda else False)
     _record(records, info, f"fp8_{gran}", producer, t, numel * dtype.itemsize,
             numel + _hint(scale.numel()) * scale.element_size())
-    return codes, scale, gran, dtype
+    return codes, scale, gran, dtype, layout
 
 
 def _kept(t, info, kind, producer, records):
@@ -197,11 +207,12 @@ def _record(records: dict | None, info, kind, producer, t, original, stored):
 
 
 def unpack_in_graph(packed) -> torch.Tensor:
-    codes, scale, gran, dtype = packed
+    codes, scale, gran, dtype, layout = packed
     # groups through our kernel; Inductor's consumers then read the decoded tensor: the decoding fused into them
     # made their reductions 2.4x slower (per-element exponent gathers with div/mod index arithmetic; a Llama block
     # on an H100, docs/activations.md)
-    return decode_pow2(codes, scale, dtype, kernel="op" if gran == "group" and codes.is_cuda else False)
+    out = decode_pow2(codes, scale, dtype, kernel="op" if gran == "group" and codes.is_cuda else False)
+    return out if layout is None else out.as_strided(*layout)
 
 
 # ---- the hooks ---------------------------------------------------------------------------------------------------
