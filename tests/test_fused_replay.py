@@ -1,6 +1,8 @@
 """Fused replays (activations/fused_replay.py): a chain of replays and the decoding of the packed tensors it starts
 from, compiled as one function, gives autograd the same values as replaying op by op, hands each value to its
 other readers once, and falls back to op by op where a structure does not compile."""
+import warnings
+
 import pytest
 import torch
 
@@ -102,7 +104,50 @@ def test_a_structure_that_does_not_compile_falls_back_once(monkeypatch):
         got = _grads(block, cos, sin, x, fuse_replays=True)
     assert fused_replay._COMPILED and all(f is None for f in fused_replay._COMPILED.values())
     assert all(torch.equal(ref[k], got[k]) for k in ref)
+    with warnings.catch_warnings():  # remembered: the next backward neither tries again nor warns
+        warnings.simplefilter("error")
+        again = _grads(block, cos, sin, x, fuse_replays=True)
+    assert all(torch.equal(ref[k], again[k]) for k in ref)
     fused_replay._COMPILED.clear()
+
+
+def test_every_value_is_let_go_of_after_backward(monkeypatch):
+    """After backward no Derived or packed tensor still holds a value (a miscounted memo would keep one alive as
+    long as the graph)."""
+    monkeypatch.setattr(fused_replay, "BACKEND", "aot_eager")
+    made = []
+    real_init = Derived.__init__
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        made.append(self)
+
+    monkeypatch.setattr(Derived, "__init__", init)
+    block, (cos, sin) = _tiny_llama(torch.float32)
+    grads, loss, xx = _grads(block, cos, sin, torch.randn(2, 32, 128), retain=True, fuse_replays=True)
+    held = made + [a for d in made for is_t, a in d.args if is_t and isinstance(a, PackedActivation)]
+    assert made and all(o._memo is None for o in held), [type(o).__name__ for o in held if o._memo is not None]
+
+
+def test_a_view_of_a_value_computed_inside_is_not_computed_twice(monkeypatch):
+    """R = A + V with A = B + 1 and V a view of B: fusing R would compute B inside and again when V is unpacked;
+    R is replayed op by op instead (A fused with B), and B's value is handed out exactly twice."""
+    monkeypatch.setattr(fused_replay, "BACKEND", "aot_eager")
+    from lpoptim.activations.derive import _view_of, count_use
+    p = torch.randn(4, 8, requires_grad=True)  # replays run without grad, fused or not (as Derived.replay)
+    b = Derived(torch.mul, [(True, p), (False, 2.0)], {}, True)
+    v = Derived(_view_of, [(True, b), (False, (4, 8)), (False, (8, 1)), (False, 0)], {}, True)
+    a = Derived(torch.add, [(True, b), (False, 1.0)], {}, True)
+    r = Derived(torch.add, [(True, a), (True, v)], {}, True)
+    count_use(r)
+    assert b.uses == 2
+    calls = []
+    real_run = fused_replay.run
+    monkeypatch.setattr(fused_replay, "run", lambda root: calls.append(root) or real_run(root))
+    out = r.unpack()
+    assert torch.equal(out, (p * 2 + 1) + p * 2) and not out.requires_grad
+    assert calls[0] is r and a in calls  # r declined, a fused (with b inside)
+    assert all(o._memo is None for o in (a, b, v, r))
 
 
 def test_default_fuses_on_cuda_only():

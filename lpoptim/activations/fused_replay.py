@@ -57,11 +57,27 @@ def _inside(v) -> bool:
 
 
 def _freeze(v):
-    """A hashable form of a non-tensor argument (lists become tuples); TypeError if there is none."""
+    """A hashable form of a non-tensor argument that tells apart what ``==`` does not (0.0 and -0.0, 1 and 1.0 and
+    True) and matches NaN with itself; lists become tuples; TypeError if there is none."""
     if isinstance(v, (list, tuple)):
         return (type(v).__name__, tuple(_freeze(x) for x in v))
+    if isinstance(v, float):
+        return ("float", repr(v))
     hash(v)
-    return v
+    return (type(v), v)
+
+
+def _below(objs) -> set[int]:
+    """ids of the objects (Deriveds, packed tensors) not computed yet that computing ``objs`` would compute."""
+    seen, stack = set(), list(objs)
+    while stack:
+        v = stack.pop()
+        if id(v) in seen or isinstance(v, torch.Tensor) or getattr(v, "_memo", None) is not None:
+            continue
+        seen.add(id(v))
+        if type(v) is Derived:
+            stack.extend(a for is_t, a in v.args if is_t)
+    return seen
 
 
 class _Plan:
@@ -135,6 +151,14 @@ def _decode_eager(codes, exps, dtype):
     return decode_pow2(codes, exps, dtype, kernel=codes.is_cuda)
 
 
+def _call(fn, values):
+    """fn(*values) without grad, as Derived.replay runs (backward runs without grad unless create_graph)."""
+    if not torch.is_grad_enabled():
+        return fn(*values)
+    with torch.no_grad():
+        return fn(*values)
+
+
 def _compile(fn):
     options = {"emulate_precision_casts": True} if BACKEND == "inductor" else None
     return torch.compile(fn, backend=BACKEND, fullgraph=True, options=options)
@@ -151,6 +175,11 @@ def run(root: Derived) -> torch.Tensor | None:
         return None
     if plan.work < 2:
         return None
+    # a view read as an input computes its base when unpacked: where that base (or anything below it) is also
+    # computed inside the function, it would be computed twice and its memo miscounted: op by op instead
+    views = [v for v in plan.inputs if type(v) is Derived and v.func is _view_of and v._memo is None]
+    if views and not _below(views).isdisjoint(map(id, plan.nodes)):
+        return None
     values = [v if isinstance(v, torch.Tensor) else v.unpack() for v in plan.inputs]
     outs = plan.outputs(root)
     # shapes are Dynamo's to guard: a second shape recompiles the same code with dynamic shapes (torch.compile's
@@ -162,7 +191,7 @@ def run(root: Derived) -> torch.Tensor | None:
         try:
             if fn is False:
                 fn = _COMPILED[key] = _compile(plan.function(outs))
-            result = fn(*values)
+            result = _call(fn, values)
         except torch.OutOfMemoryError:
             raise
         except Exception as e:  # noqa: BLE001  a structure that does not compile: op by op from now on
@@ -170,7 +199,7 @@ def run(root: Derived) -> torch.Tensor | None:
             warnings.warn(f"lpoptim: a fused replay did not compile ({type(e).__name__}: {str(e)[:200]}); "
                           "replaying its ops one by one", RuntimeWarning, stacklevel=2)
     if result is None:  # the same function, uncompiled (decoding with the Triton kernel on CUDA)
-        result = plan.function(outs, eager=True)(*values)
+        result = _call(plan.function(outs, eager=True), values)
     out = None
     for i, value in zip(outs, result):
         node = plan.nodes[i]

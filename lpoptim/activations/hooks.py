@@ -98,10 +98,10 @@ class OpTracker(TorchFunctionMode):
 
 
 def _is_attention_output(t: torch.Tensor) -> bool:
-    """``t`` is the differentiable output of the attention op saving it (its out, not q, k, v or the logsumexp):
-    saved as an output, it already has the attention node as its grad_fn."""
+    """``t`` is the first output of the attention op saving it (its out, not q, k, v or the logsumexp): saved as
+    an output, it already has the attention node as its grad_fn."""
     fn = t.grad_fn
-    if fn is None:
+    if fn is None or t.output_nr != 0:
         return False
     name = type(fn).__name__
     hit = _ATTENTION_NODES.get(name)

@@ -431,7 +431,7 @@ def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int |
     elif amax is None:
         amax = finite_absmax(x)
     rows = cols = None
-    dummy = amax
+    dummy = x  # pointers of a copy not written: read-only x (the interpreter copies aliased arguments back in turn)
     row_fmt = get_format(row_fmt) if row_fmt is not None else None
     col_fmt = get_format(col_fmt) if col_fmt is not None else None
     if row_fmt is not None:
