@@ -1,4 +1,5 @@
-"""Gradient helpers shared by the wrapper's tests (eager: test_activations.py; compiled: test_graph_hooks.py)."""
+"""Blocks and gradient helpers shared by the wrapper's tests (test_activations.py, test_graph_hooks.py,
+test_fused_replay.py)."""
 import torch
 import torch.nn.functional as F
 
@@ -18,3 +19,13 @@ def _grads(block, x, kwargs, params_of=None):
 def _min_cos(a, b):
     """The smallest cosine similarity over the gradients of two ``_grads`` results."""
     return min(F.cosine_similarity(a[k].flatten(), b[k].flatten(), dim=0).item() for k in a)
+
+
+def _tiny_llama(dtype=torch.float32, device="cpu"):
+    """A one-layer lpoptim Llama block (d 128, 4 heads, 2 KV heads) and its rotary tables for 32 positions."""
+    from lpoptim.train.llama import Block, LlamaConfig, rotary_tables
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, n_layer=1, d_model=128, ffn_dim=352, n_head=4, n_kv_head=2)
+    cos, sin = rotary_tables(cfg, 32, device)
+    return Block(cfg).to(device=device, dtype=dtype), (cos, sin)

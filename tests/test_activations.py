@@ -13,7 +13,7 @@ from lpoptim.activations import (ActivationPolicy, compress_activations, is_wrap
 from lpoptim.quant import quantize
 from lpoptim.train.gpt import GPT, Block, GPTConfig
 
-from block_grads import _grads, _min_cos
+from block_grads import _grads, _min_cos, _tiny_llama
 
 
 def _gpt_block(dtype):
@@ -402,15 +402,6 @@ def test_training_quality_tinyshakespeare():
     assert abs(losses[True] - losses[False]) <= 0.01 * losses[False], losses
     assert abs(losses["compiled"] - losses[False]) <= 0.01 * losses[False], losses
     assert handle.graph_stats().bytes_by_kind().get("fp8_group", 0) > 0  # the compiled run did pack in its graphs
-
-
-def _tiny_llama(dtype=torch.float32):
-    from lpoptim.train.llama import Block as LlamaBlock, LlamaConfig, rotary_tables
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, n_layer=1, d_model=128, ffn_dim=352, n_head=4, n_kv_head=2)
-    cos, sin = rotary_tables(cfg, 32, "cpu")
-    return LlamaBlock(cfg).to(dtype), (cos, sin)
 
 
 def _counting(monkeypatch):

@@ -84,7 +84,7 @@ def test_second_launch_loops_over_tiles(monkeypatch):
     hk, hr = _history(2), _history(2)
     g = torch.Generator().manual_seed(5)
     for mult in (1.0, 4.0, 0.5):
-        x = torch.randn(70, 300, generator=g) * mult  # 3 x 2 tiles of 32 x 256
+        x = torch.randn(70, 300, generator=g) * mult  # 3 x 3 tiles of TUNING['delayed']'s 32 x 128
         rows, cols = lq.quantize_tensor_rows_cols(x, "e4m3", "e4m3", 304, 80, history=hk)
         amax = hr.take_ref(x)
         assert torch.equal(rows[0].float(), quantize_operand_ref(x, "e4m3", "tensor", None, 304, amax).values.float())

@@ -10,14 +10,7 @@ from lpoptim.activations import compress_activations, fused_replay
 from lpoptim.activations.codec import PackedActivation
 from lpoptim.activations.derive import Derived
 
-
-def _tiny_llama(dtype, device="cpu"):
-    from lpoptim.train.llama import Block, LlamaConfig, rotary_tables
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, n_layer=1, d_model=128, ffn_dim=352, n_head=4, n_kv_head=2)
-    cos, sin = rotary_tables(cfg, 32, device)
-    return Block(cfg).to(device=device, dtype=dtype), (cos, sin)
+from block_grads import _tiny_llama
 
 
 def _grads(block, cos, sin, x, retain=False, **options):
@@ -61,7 +54,7 @@ def test_fused_replays_give_the_op_by_op_gradients(monkeypatch, dtype):
     """The same graph traced without code generation (aot_eager): the same ops, so the same bits; fewer decodes
     and replays outside; a retained graph's second backward gets them again (every memo let go of)."""
     monkeypatch.setattr(fused_replay, "BACKEND", "aot_eager")
-    fused_replay._COMPILED.clear()
+    fused_replay.reset()
     block, (cos, sin) = _tiny_llama(dtype)
     x = torch.randn(2, 32, 128, dtype=dtype)
     ref = _grads(block, cos, sin, x, fuse_replays=False)
@@ -85,7 +78,7 @@ def test_fused_replays_give_the_op_by_op_gradients(monkeypatch, dtype):
 def test_inductor_fuses_with_eager_rounding():
     """Inductor (on the CPU here) with emulate_precision_casts: the values autograd gets are eager's, bit for bit,
     on a bf16 block."""
-    fused_replay._COMPILED.clear()
+    fused_replay.reset()
     block, (cos, sin) = _tiny_llama(torch.bfloat16)
     x = torch.randn(2, 32, 128, dtype=torch.bfloat16)
     ref = _grads(block, cos, sin, x, fuse_replays=False)
@@ -96,7 +89,7 @@ def test_inductor_fuses_with_eager_rounding():
 
 def test_a_structure_that_does_not_compile_falls_back_once(monkeypatch):
     monkeypatch.setattr(fused_replay, "BACKEND", "no_such_backend")
-    fused_replay._COMPILED.clear()
+    fused_replay.reset()
     block, (cos, sin) = _tiny_llama(torch.float32)
     x = torch.randn(2, 32, 128)
     ref = _grads(block, cos, sin, x, fuse_replays=False)
@@ -104,11 +97,16 @@ def test_a_structure_that_does_not_compile_falls_back_once(monkeypatch):
         got = _grads(block, cos, sin, x, fuse_replays=True)
     assert fused_replay._COMPILED and all(f is None for f in fused_replay._COMPILED.values())
     assert all(torch.equal(ref[k], got[k]) for k in ref)
-    with warnings.catch_warnings():  # remembered: the next backward neither tries again nor warns
-        warnings.simplefilter("error")
+    made = []
+    real_function = fused_replay._Plan.function
+    monkeypatch.setattr(fused_replay._Plan, "function", lambda self, *a, **k: made.append(1) or real_function(
+        self, *a, **k))
+    with warnings.catch_warnings():  # remembered: the next backward neither tries again nor warns, and runs the
+        warnings.simplefilter("error")  # uncompiled functions made the first time
         again = _grads(block, cos, sin, x, fuse_replays=True)
+    assert not made
     assert all(torch.equal(ref[k], again[k]) for k in ref)
-    fused_replay._COMPILED.clear()
+    fused_replay.reset()
 
 
 def test_every_value_is_let_go_of_after_backward(monkeypatch):
@@ -153,7 +151,7 @@ def test_a_view_of_a_value_computed_inside_is_not_computed_twice(monkeypatch):
 def test_default_fuses_on_cuda_only():
     from lpoptim.activations import ActivationPolicy
     assert ActivationPolicy().fuse_replays is None
-    fused_replay._COMPILED.clear()
+    fused_replay.reset()
     block, (cos, sin) = _tiny_llama(torch.float32)
     _grads(block, cos, sin, torch.randn(2, 32, 128))  # CPU tensors: op by op, nothing compiled
     assert not fused_replay._COMPILED
@@ -164,7 +162,7 @@ def test_default_fuses_on_cuda_only():
 def test_fused_replays_on_gpu_match_op_by_op(monkeypatch):
     """On CUDA (the default there): Inductor's kernels give the op-by-op replays' gradients (the decodes are the
     Triton kernel's against Inductor's, the same arithmetic), and fewer kernels run outside."""
-    fused_replay._COMPILED.clear()
+    fused_replay.reset()
     block, (cos, sin) = _tiny_llama(torch.bfloat16, "cuda")
     x = torch.randn(2, 32, 128, dtype=torch.bfloat16, device="cuda")
     ref = _grads(block, cos, sin, x, fuse_replays=False)
@@ -178,7 +176,7 @@ def test_a_new_sequence_length_reuses_the_structure(monkeypatch):
     """Shapes are not part of the structure: another sequence length runs the same compiled code (Dynamo
     recompiles it once with dynamic shapes), and the gradients stay the op-by-op ones."""
     monkeypatch.setattr(fused_replay, "BACKEND", "aot_eager")
-    fused_replay._COMPILED.clear()
+    fused_replay.reset()
     block, (cos, sin) = _tiny_llama(torch.float32)
     for t in (32, 24, 16):
         x = torch.randn(2, t, 128)

@@ -159,10 +159,16 @@ class Derived(ComputedOnce):
 
     def replay(self) -> torch.Tensor:
         vals = [(v if isinstance(v, torch.Tensor) else v.unpack()) if is_t else v for is_t, v in self.args]
-        if not torch.is_grad_enabled():  # backward runs without grad (unless create_graph): skip the context
-            return self.func(*vals, **self.kwargs)
-        with torch.no_grad():
-            return self.func(*vals, **self.kwargs)
+        return call_without_grad(self.func, vals, self.kwargs)
+
+
+def call_without_grad(fn, args, kwargs=None):
+    """fn(*args, **kwargs) without grad, as every replay runs (backward runs without grad unless create_graph:
+    then the context is skipped)."""
+    if not torch.is_grad_enabled():
+        return fn(*args, **(kwargs or {}))
+    with torch.no_grad():
+        return fn(*args, **(kwargs or {}))
 
 
 def count_use(obj) -> None:
@@ -206,8 +212,9 @@ def derive(ctx, t: torch.Tensor):
             b = _param_cast(ctx, base)
         if b is None:
             return None
+        # (not fused itself: unpacking it computes its base, fused in turn; fused_replay.run declines views)
         return Derived(_view_of, [(True, b), (False, tuple(t.shape)), (False, t.stride()),
-                                  (False, t.storage_offset() - base.storage_offset())], {}, fuse)
+                                  (False, t.storage_offset() - base.storage_offset())], {})
     return None
 
 

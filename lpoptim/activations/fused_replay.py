@@ -30,12 +30,14 @@ import warnings
 
 import torch
 
-from .codec import PackedActivation, decode_pow2
-from .derive import Derived, _view_of
+from ..formats import E4M3
+from .codec import PackedActivation, _use_triton, decode_pow2
+from .derive import Derived, _view_of, call_without_grad
 
 # Inductor on CUDA; tests may set "aot_eager" (the same graph without code generation) to check the plumbing fast
 BACKEND = "inductor"
 _COMPILED: dict = {}  # structure key -> compiled function, or None when it failed to compile
+_UNCOMPILED: dict = {}  # structure key -> its function uncompiled, for a structure that failed to compile
 # replays that only view or cast a tensor (a weight's bf16 copy, seen transposed) gain nothing from a kernel
 _VIEWS = frozenset({"_view_of", "_cast", "view", "reshape", "transpose", "permute", "flatten", "unflatten",
                     "squeeze", "unsqueeze", "contiguous"})
@@ -147,16 +149,14 @@ class _Plan:
         return scope["fused_replay"]
 
 
+def reset() -> None:
+    """Forget every structure (compiled, failed or uncompiled): the next backward compiles afresh."""
+    _COMPILED.clear()
+    _UNCOMPILED.clear()
+
+
 def _decode_eager(codes, exps, dtype):
-    return decode_pow2(codes, exps, dtype, kernel=codes.is_cuda)
-
-
-def _call(fn, values):
-    """fn(*values) without grad, as Derived.replay runs (backward runs without grad unless create_graph)."""
-    if not torch.is_grad_enabled():
-        return fn(*values)
-    with torch.no_grad():
-        return fn(*values)
+    return decode_pow2(codes, exps, dtype, kernel=_use_triton(codes, E4M3))
 
 
 def _compile(fn):
@@ -191,15 +191,18 @@ def run(root: Derived) -> torch.Tensor | None:
         try:
             if fn is False:
                 fn = _COMPILED[key] = _compile(plan.function(outs))
-            result = _call(fn, values)
+            result = call_without_grad(fn, values)
         except torch.OutOfMemoryError:
             raise
         except Exception as e:  # noqa: BLE001  a structure that does not compile: op by op from now on
             _COMPILED[key] = None
             warnings.warn(f"lpoptim: a fused replay did not compile ({type(e).__name__}: {str(e)[:200]}); "
                           "replaying its ops one by one", RuntimeWarning, stacklevel=2)
-    if result is None:  # the same function, uncompiled (decoding with the Triton kernel on CUDA)
-        result = _call(plan.function(outs, eager=True), values)
+    if result is None:  # the same function, uncompiled (decoding with the Triton kernel on CUDA), made once
+        eager = _UNCOMPILED.get(key)
+        if eager is None:
+            eager = _UNCOMPILED[key] = plan.function(outs, eager=True)
+        result = call_without_grad(eager, values)
     out = None
     for i, value in zip(outs, result):
         node = plan.nodes[i]

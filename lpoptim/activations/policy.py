@@ -40,8 +40,8 @@ class ActivationPolicy:
     group_size: group length along the last dimension for tensors that feed non-linear ops (COAT: 16).
     attention: "keep" leaves attention's saved tensors as they are (COAT's choice), "fp8" compresses them.
     attention_output: attention's output is also the output projection's input, which COAT stores in FP8 like
-        every linear layer's input: "gemm" packs it as a GEMM input (per row) whatever ``attention`` says of
-        q, k and v; "keep" follows ``attention`` for it too.
+        every linear layer's input: "gemm" packs it as a GEMM input (``gemm_granularity``) where ``attention``
+        keeps q, k and v; "keep" follows ``attention`` for it too (with ``attention="fp8"`` all are packed per row).
     min_numel: tensors with fewer elements are left alone (norm statistics, biases: not worth a launch).
     recompute: save only the block's inputs (in FP8, groups of ``group_size``) and run the block again in
         backward: an FP8 activation checkpoint.

@@ -1,4 +1,8 @@
-"""Triton kernels that pack saved activations into FP8 E4M3 codes with fp32 scales, and unpack them.
+"""Triton kernels that pack saved activations into FP8 E4M3 codes with their scales, and unpack them.
+
+Groups that tile the rows (a power-of-two group size dividing the last dim: the default) take one-byte
+power-of-two scales (``_quant_groups_pow2_kernel``: codec.encode_pow2 / decode_pow2's torch forms, bit for bit);
+the kernels below that keep fp32 scales serve the rest (rows, the tensor, groups that do not tile). For them:
 
 They compute exactly what ``lpoptim.quant.quantize(x, E4M3, granularity)`` followed by ``.to(fp8)`` computes,
 bit for bit, in one read of the input and one write of the codes (plus the scales):
@@ -100,8 +104,8 @@ def _dequant_kernel(codes_ptr, scale_ptr, out_ptr, numel, N, NG,
 def _quant_groups_pow2_kernel(x_ptr, codes_ptr, exp_ptr, total_groups, FMAX: tl.constexpr, F_EXP: tl.constexpr,
                               F_MANT: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, ON_GPU: tl.constexpr):
     """Groups of G consecutive elements (the last dim a multiple of G) -> E4M3 codes and one power-of-two scale
-    per group as a biased exponent byte: quant.pow2_block_exponent (integer ops on amax's bits) and
-    graph_hooks.pack_in_graph, bit for bit."""
+    per group as a biased exponent byte: codec.encode_pow2's torch form (quant.pow2_block_exponent on amax's
+    bits, scale 1 where nothing is finite), bit for bit."""
     gid = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
     offs = gid[:, None] * G + tl.arange(0, G)[None, :]
     mask = gid[:, None] < total_groups
@@ -129,10 +133,15 @@ def _quant_pow2_launch(x: torch.Tensor, group_size: int):
     codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     exps = torch.empty((r, n // group_size), dtype=torch.uint8, device=x.device)
     total = r * (n // group_size)
-    block_g = max(1, 2048 // group_size)
+    consts = _quant_pow2_consts(group_size)
+    return codes, exps, (cdiv(total, consts["BLOCK_G"]),) if total else None, (x, codes, exps, total), consts
+
+
+@functools.cache
+def _quant_pow2_consts(group_size: int) -> dict:
     f_exp, f_mant = E4M3_MAX_BITS
-    consts = dict(FMAX=448.0, F_EXP=f_exp, F_MANT=f_mant, G=group_size, BLOCK_G=block_g, ON_GPU=_ON_GPU)
-    return codes, exps, (cdiv(total, block_g),) if total else None, (x, codes, exps, total), consts
+    return dict(FMAX=448.0, F_EXP=f_exp, F_MANT=f_mant, G=group_size, BLOCK_G=max(1, 2048 // group_size),
+                ON_GPU=_ON_GPU)
 
 
 @torch.library.triton_op("lpoptim::quantize_groups_pow2", mutates_args=())
@@ -163,7 +172,7 @@ def quantize_groups_pow2_eager(x: torch.Tensor, group_size: int) -> tuple[torch.
 def _dequant_groups_pow2_kernel(codes_ptr, exp_ptr, out_ptr, total_groups, TOP: tl.constexpr, G: tl.constexpr,
                                 BLOCK_G: tl.constexpr, ON_GPU: tl.constexpr):
     """E4M3 codes (uint8 bits) times 2^(exponent byte - 127) per group of G, stored as out's dtype (round to
-    nearest even): graph_hooks.unpack_in_graph's groups."""
+    nearest even): codec.decode_pow2's torch form."""
     gid = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
     offs = gid[:, None] * G + tl.arange(0, G)[None, :]
     mask = gid[:, None] < total_groups
@@ -180,10 +189,14 @@ def _dequant_pow2_launch(codes: torch.Tensor, exps: torch.Tensor, dtype: torch.d
     ng = exps.shape[-1] if exps.dim() else 1
     out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
     total = r * ng
-    g = n // ng if ng else 1
-    block_g = max(1, 2048 // g)
-    consts = dict(TOP=torch.finfo(dtype).max, G=g, BLOCK_G=block_g, ON_GPU=_ON_GPU)
-    return out, (cdiv(total, block_g),) if total else None, (codes.view(torch.uint8), exps, out, total), consts
+    consts = _dequant_pow2_consts(n // ng if ng else 1, dtype)
+    return out, (cdiv(total, consts["BLOCK_G"]),) if total else None, (codes.view(torch.uint8), exps, out, total), \
+        consts
+
+
+@functools.cache
+def _dequant_pow2_consts(g: int, dtype: torch.dtype) -> dict:
+    return dict(TOP=torch.finfo(dtype).max, G=g, BLOCK_G=max(1, 2048 // g), ON_GPU=_ON_GPU)
 
 
 @torch.library.triton_op("lpoptim::dequantize_groups_pow2", mutates_args=())
@@ -224,14 +237,14 @@ def quantize_groups(x: torch.Tensor, group_size: int = 16) -> tuple[torch.Tensor
     """x (contiguous, fp32/bf16/fp16) -> (uint8 codes of x's shape, fp32 scales (R, ceil(N/G)))."""
     assert x.is_contiguous()
     r, n = rows_of(x.shape)
-    ng = -(-n // group_size)
+    ng = cdiv(n, group_size)
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     scales = torch.empty((r, ng), dtype=torch.float32, device=x.device)
     total = r * ng
     if total:
         gp, block_g = _group_blocks(group_size)
-        _quant_groups_kernel[(-(-total // block_g),)](x, codes, scales, total, n, ng,
-                                                      G=group_size, GP=gp, BLOCK_G=block_g)
+        launcher(_quant_groups_kernel)((cdiv(total, block_g),), x, codes, scales, total, n, ng,
+                                       G=group_size, GP=gp, BLOCK_G=block_g)
     return codes, scales
 
 
@@ -243,7 +256,7 @@ def quantize_rows(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[t
     scales = scale.reshape(1).float() if scale is not None else torch.empty(r, dtype=torch.float32, device=x.device)
     if r and n:
         block = min(next_power_of_2(n), 2048)
-        _quant_rows_kernel[(r,)](x, codes, scales, n, HAS_SCALE=scale is not None, BLOCK=block)
+        launcher(_quant_rows_kernel)((r,), x, codes, scales, n, HAS_SCALE=scale is not None, BLOCK=block)
     return codes, scales
 
 
@@ -256,7 +269,6 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, granularity: str, grou
     numel = codes.numel()
     if numel:
         block = 1024
-        _dequant_kernel[(-(-numel // block),)](codes, scales, out, numel, n, -(-n // group_size),
-                                               G=group_size, MODE=_MODES[granularity],
-                                               ON_GPU=_ON_GPU, BLOCK=block)
+        launcher(_dequant_kernel)((cdiv(numel, block),), codes, scales, out, numel, n, cdiv(n, group_size),
+                                  G=group_size, MODE=_MODES[granularity], ON_GPU=_ON_GPU, BLOCK=block)
     return out

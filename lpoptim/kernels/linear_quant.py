@@ -151,8 +151,8 @@ TUNING = {"rows": dict(block_r=16, block_c=256, num_warps=4), "from_max": dict(b
           # per tensor, swept again on the final kernel (quant_tune --modes tensor, docs/results/
           # quant_tune_tensor_h100.txt): 32 x 256 with 8 warps 1.22 / 1.55 TB/s on 16384 x 4096 / x 11008, the best
           # on both (32 x 128: 0.88 / 1.50)
-          # (also for the transposed copy alone, xᵀ / Wᵀ: a tile of its own won alone but not in the layers,
-          # docs/results/quant_tune_tensor_cols_h100.txt)
+          # (also for the transposed copy alone with current scaling, xᵀ / Wᵀ: a tile of its own won alone but not
+          # in the layers, docs/results/quant_tune_tensor_cols_h100.txt)
           "tensor": dict(block_r=32, block_c=256, num_warps=8),
           # with delayed scaling the pass also reduces its tile to one absmax: a narrower tile with 4 warps does
           # that fastest (quant_tune --modes delayed, docs/results/quant/delayed_tile_tenth_h100.txt: x and xᵀ
@@ -444,9 +444,9 @@ def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int |
     cp = row_cols if rows else C
     tune = TUNING["delayed" if delayed else "tensor"]
     block_r, block_c = tune["block_r"], tune["block_c"]
-    if delayed:  # counted once nothing before the launch can fail, so that the ring's slots stay in step
-        offset, write, zero = history.advance()
     if max(R, rp) and max(C, cp):
+        if delayed:  # counted once nothing before the launch can fail, so that the ring's slots stay in step
+            offset, write, zero = history.advance()
         grid = (cdiv(max(R, rp), block_r), cdiv(max(C, cp), block_c))
         args = (x, amax, *(rows or (dummy, dummy)), *(cols or (dummy, dummy)), R, C, rp, cp, x.stride(0), x.stride(1),
                 hist, offset, write, zero)
@@ -459,8 +459,7 @@ def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int |
                    num_warps=tune["num_warps"], **consts)
     else:  # nothing to read: the scales of an all-zero tensor (delayed: of the history, which records a zero)
         if delayed:
-            amax = history.window_amax(write, zero)
-            hist.view(-1)[offset + zero] = 0
+            amax = history.take_ref(x)
             if used_amax is not None:
                 used_amax.copy_(amax)
         for out, fmt in ((rows, row_fmt), (cols, col_fmt)):

@@ -18,7 +18,8 @@ comes from the other ``length`` slots, the absmax of quantizations n - 1 ... n -
 
 Limits. A forward recomputed under activation checkpointing records again: a step then takes two of x's slots (the
 window spans half as many steps), and the recomputed xᵀ may take a larger scale than the first forward's x did
-(both cover x; neither saturates). Forwards without grad (evaluation) use current scaling and record nothing. The
+(both cover x; neither saturates); the same holds for W. LowBitLinear's forwards without grad (evaluation) use
+current scaling and record nothing (the functional form records whatever histories it is given). The
 slots are chosen on the host, so a layer must not quantize on two streams at once; LowBitLinear uses current
 scaling while a CUDA graph is captured (a replay would reuse the captured slots).
 """
@@ -78,6 +79,7 @@ class AmaxHistory:
 
     def window_amax(self, write: int, zero: int) -> torch.Tensor:
         """The largest absmax in the ring but slots ``write`` and ``zero`` (0-dim fp32; 0 when none recorded)."""
-        keep = torch.ones(self.slots, dtype=torch.bool, device=self.bits.device)
-        keep[[write, zero]] = False
-        return torch.where(keep, self.bits[self.role], 0).amax().view(torch.float32)
+        ring = self.bits[self.role].clone()
+        ring[write] = 0  # integer indices: no index tensor copied to the device (a list index would be, and wait)
+        ring[zero] = 0
+        return ring.amax().view(torch.float32)

@@ -39,8 +39,9 @@ def _save_x_for_dw(x2: torch.Tensor, r: Recipe, hx=None) -> Operand:
 
 def _quantize_wt(w, r: Recipe, w_stat, hw=None) -> Operand:
     """Wᵀ (K, N) for dx = dy W, W per input channel (or per tensor), in one pass where the forward left ``w_stat``:
-    per row, W's column maxima; per tensor, W's absmax (the same scale again). Without it, per tensor with
-    ``hw`` (W's amax history: a 4-bit forward's delayed scaling) one pass that records W's absmax."""
+    per row, W's column maxima; per tensor, W's absmax (the same scale again). Without it (int4's forward, or a
+    frozen weight's forward, which quantizes W without a statistic), per tensor with ``hw`` (W's amax history:
+    delayed scaling) one pass that records W's absmax."""
     if w_stat is None:
         hw = hw if r.backward_granularity == "tensor" else None
         return quantize_operand(w.t(), r.bwd_fmt, r.backward_granularity, history=hw)

@@ -31,12 +31,12 @@ class Recipe:
     # backward GEMMs to the tensor-wise FP8 kernel, faster on Hopper than the row-wise one
     bwd_granularity: str | None = None
     fast_accum: bool = False       # fp8 forward GEMM with Hopper's fast accumulation (torchao's default there)
-    # per-tensor scales of x and dy: "current" (each tensor's own absmax, a pass of its own) or "delayed" (the
+    # per-tensor scales of x, dy and W: "current" (each tensor's own absmax, a pass of its own) or "delayed" (the
     # largest absmax of the operand's last ``amax_history`` quantizations, recorded by the quantizing pass itself:
     # Transformer Engine's DelayedScaling, without its saturation; nn/delayed.py). Delayed applies to the per-tensor
     # quantizations of x (the fp8 forward, the saved xᵀ; not fp4_fast's, whose absmax comes free), of dy, and of
-    # W per tensor (an fp8 forward's, whose scale then serves Wᵀ in backward; else the backward's Wᵀ, as int4's;
-    # 4-bit forwards keep W's own row scales). Needs the layer's state: LowBitLinear keeps it
+    # W (an fp8 forward's, whose scale then serves Wᵀ in backward; int4's backward Wᵀ; not fp4_fast's, whose Wᵀ
+    # takes the absmax its forward's row pass leaves). Needs the layer's state: LowBitLinear keeps it
     scaling: str = "current"
     amax_history: int = 16
     # fp4 (Wang et al. 2025, arXiv 2501.17116)
@@ -110,7 +110,7 @@ def get_recipe(recipe: str | Recipe, **overrides) -> Recipe:
     if recipe.scaling not in ("current", "delayed"):
         raise ValueError(f"scaling must be 'current' or 'delayed', got {recipe.scaling!r}")
     if recipe.scaling == "delayed" and (recipe.backward != "fp8" or recipe.backward_granularity != "tensor"):
-        raise ValueError("scaling='delayed' scales x and dy per tensor: it needs backward='fp8' with "
+        raise ValueError("scaling='delayed' scales x, dy and W per tensor: it needs backward='fp8' with "
                          "bwd_granularity='tensor' (or granularity='tensor')")
     if recipe.amax_history < 1:
         raise ValueError(f"amax_history must be at least 1, got {recipe.amax_history}")
