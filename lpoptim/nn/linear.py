@@ -52,6 +52,7 @@ class LowBitLinear(nn.Linear):
         to another device and ``reset_parameters`` start it afresh."""
         self.amax_history = None
         self._amax_calls = [0] * len(ROLES)  # quantizations of x, dy, W so far (on the host: no synchronization)
+        self._amax_rings = None  # the AmaxHistory of each role over amax_history, made with it
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
@@ -74,7 +75,9 @@ class LowBitLinear(nn.Linear):
         if h is None or h.device != self.weight.device or h.shape[1] != self.recipe.amax_history + 2:
             self.reset_amax_history()  # first use, a moved layer, or a recipe changed after construction
             self.amax_history = h = new_history(self.recipe.amax_history, self.weight.device)
-        return tuple(AmaxHistory(h, self._amax_calls, role) for role in ROLES)
+        if self._amax_rings is None or self._amax_rings[0].bits is not h:  # made once, not every forward
+            self._amax_rings = tuple(AmaxHistory(h, self._amax_calls, role) for role in ROLES)
+        return self._amax_rings
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return lowbit_linear(x, self.weight, self.bias, self.recipe, histories=self._histories())
