@@ -24,7 +24,8 @@ The graph rules follow hooks.py's, read off the graphs instead of a TorchFunctio
   parameters or inputs; a tensor the graph saves once is packed once;
 - non-float or fp8 tensors, and tensors below ``policy.min_numel`` elements, are kept;
 - a tensor read in backward by an attention kernel follows ``policy.attention``, except attention's own output
-  (the output projection's input too), packed per row under ``policy.attention_output="gemm"``;
+  (the output projection's input too), packed per row under ``policy.attention_output="gemm"`` (kept under
+  "replay": a graph's saved tensors cannot be recomputed from a hook);
 - a tensor read in backward only by GEMMs (through views) gets ``policy.gemm_granularity``; everything else
   groups of ``policy.group_size`` along the last dimension (rows where the last dim is not a multiple of it);
 - every scale is a power of two held as one byte (E8M0's biased exponent).

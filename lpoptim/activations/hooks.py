@@ -14,8 +14,10 @@ Rules ``pack`` applies, in order:
    first packed copy;
 4. tensors below ``min_numel`` elements, or not smaller once packed (e.g. a last dimension of 1 with groups
    of 16), are left alone;
-5. attention's saved tensors follow ``policy.attention``, but its output, which the output projection reads
-   too, is packed as a GEMM input (``policy.attention_output``);
+5. masks (what dropout saves: on the CPU a float tensor of 0 and 1/(1-p)) are kept exactly;
+   attention's saved tensors follow ``policy.attention``, but its output, which the output projection reads
+   too, is recomputed in backward from the kept q, k and v (``policy.attention_output="replay"``), or packed as
+   a GEMM input ("gemm");
 6. a tensor that a cheap element-wise op computed from things already held, or autocast's low-precision copy
    of a parameter, is replayed in backward instead (``policy.derive``, derive.py): it costs no bytes;
 7. the rest is packed: per row (or tensor) if a GEMM saved it, per group of 16 otherwise.
@@ -28,7 +30,9 @@ is kept lean: benchmarks/activation_overhead.py measures it.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import types
 import weakref
 
 import torch
@@ -37,8 +41,8 @@ from torch.utils._pytree import tree_leaves
 
 from . import graph_hooks
 from .codec import COMPRESSIBLE_DTYPES, PackedActivation, pack, packed_nbytes
-from .derive import _HELD, DERIVABLE_OPS, count_use, derive, record, remember
-from .policy import ActivationPolicy
+from .derive import _HELD, DERIVABLE_OPS, Derived, _cheap, count_use, derive, held, record, remember
+from .policy import MASK_OPS, ActivationPolicy
 from .stats import SavedStats
 
 # Host overhead matters here: ``__torch_function__`` runs for every torch call inside a wrapped block and ``pack``
@@ -66,16 +70,39 @@ def _func_info(func) -> tuple[str | None, bool]:
     return info
 
 
+def _mha_body():
+    """``F.multi_head_attention_forward`` without its torch-function dispatch (its first statement), or None.
+
+    Torch disables a mode inside its handler, so through the public function the tracker would name everything
+    nn.MultiheadAttention saves ``multi_head_attention_forward``: its in- and out-projections' inputs kept whole
+    as attention, and the out-projection's input (a copy of attention's output) stored beside attention's own.
+    The same code with ``has_torch_function`` answering False runs its torch calls under the tracker instead:
+    ``linear`` saves GEMM inputs, attention saves its own, and the out-projection's input replays from
+    attention's output (derive.py), as in any block written with these calls."""
+    f = torch.nn.functional.multi_head_attention_forward
+    if not hasattr(f, "__code__") or "has_torch_function" not in f.__code__.co_names:
+        return None
+    scope = dict(f.__globals__, has_torch_function=lambda _: False)
+    body = types.FunctionType(f.__code__, scope, f.__name__, f.__defaults__, f.__closure__)
+    body.__kwdefaults__ = f.__kwdefaults__
+    return body
+
+
+_MHA = torch.nn.functional.multi_head_attention_forward
+_MHA_BODY = _mha_body()
+
+
 class OpTracker(TorchFunctionMode):
     """Remembers the outermost torch function running (its ``__name__``), e.g. ``linear`` or ``layer_norm``.
 
-    Torch disables a mode inside its own handler, so a composite function (``multi_head_attention_forward``)
-    names everything it saves; policy.py treats such names explicitly.
+    Torch disables a mode inside its own handler, so a composite function names everything it saves; policy.py
+    treats such names explicitly. ``multi_head_attention_forward`` is run with the tracker on inside (_mha_body).
     """
 
     def __init__(self, ctx=None):
         super().__init__()
         self.op: str | None = None
+        self.call = None  # (args, kwargs) of the running scaled_dot_product_attention
         self.ctx = ctx  # when set, outputs of derivable ops get a Source (derive.py)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -87,11 +114,17 @@ class OpTracker(TorchFunctionMode):
             name, derivable = _FUNC_INFO[func]
         except (KeyError, TypeError):  # the first call of this function (or an unhashable callable)
             name, derivable = _func_info(func)
+        if func is _MHA and _MHA_BODY is not None:
+            with self:  # (the handler runs with this mode popped: pushed again for the body's calls)
+                return _MHA_BODY(*args, **kwargs)
         prev, self.op = self.op, name
+        if func is _SDPA:  # its arguments, for replaying its output (_attention_replay)
+            self.call = (args, kwargs)
         try:
             out = func(*args, **kwargs)
         finally:
             self.op = prev
+            self.call = None
         if derivable and self.ctx is not None:
             record(self.ctx, func, args, kwargs, out)
         return out
@@ -111,6 +144,57 @@ def _is_attention_output(t: torch.Tensor) -> bool:
 
 
 _ATTENTION_NODES: dict[str, bool] = {}
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+_AUTOCAST_DEVICES = ("cuda", "cpu")
+
+
+class _AttentionReplay:
+    """``scaled_dot_product_attention`` called again in backward, under the forward's autocast state, with its
+    tensor arguments and keyword arguments passed positionally (a Derived's arguments)."""
+
+    __name__ = "scaled_dot_product_attention"
+
+    def __init__(self, n_args: int, kw_names: tuple, autocast):
+        self.n_args, self.kw_names, self.autocast = n_args, kw_names, autocast
+
+    def __call__(self, *vals):
+        kwargs = dict(zip(self.kw_names, vals[self.n_args:]))
+        with contextlib.ExitStack() as stack:
+            for device, enabled, dtype in self.autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+            return _SDPA(*vals[:self.n_args], **kwargs)
+
+
+def _attention_replay(ctx, out: torch.Tensor):
+    """A Derived that recomputes attention's output ``out`` from q, k, v and the mask when all of them are held
+    as they were (kept, a parameter, a constant or tiny), else None.
+
+    Attention's backward reads its output for D = rowsum(dO * O), subtracted from dP: FP8 rounding of O there
+    moves q's and k's gradients (cosine 0.995 on OPT / BERT blocks, 0.998 on Llama's at head dim 64), while the
+    forward run again on the same inputs gives the same bits. It costs one attention forward in backward and no
+    memory; dropout inside attention (a random mask) is not replayed."""
+    call = ctx.tracker.call
+    if call is None:
+        return None
+    args, kwargs = call
+    dropout_p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+    if dropout_p:
+        return None
+    kw_names = tuple(kwargs)
+    entries = []
+    for a in (*args, *kwargs.values()):
+        if not isinstance(a, torch.Tensor):
+            entries.append((False, a))
+            continue
+        h = held(ctx.token, a)
+        if h is None:
+            h = _cheap(ctx, a)
+        if h is None or (not isinstance(h, torch.Tensor) and type(h) is not Derived and
+                         not isinstance(h, PackedActivation)):
+            return None
+        entries.append((True, h))
+    autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES]
+    return Derived(_AttentionReplay(len(args), kw_names, autocast), entries, {})
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:
@@ -300,8 +384,18 @@ class PackContext:
         policy = self.policy
         gran = policy.granularity_for(self.tracker.op)
         if gran is None:
-            if policy.attention_output != "gemm" or not _is_attention_output(t):
+            op = self.tracker.op
+            if op in MASK_OPS:
+                return self._keep("mask", t)
+            if policy.attention_output == "keep" or not _is_attention_output(t):
                 return self._keep("attention", t)
+            out = _attention_replay(self, t) if policy.attention_output == "replay" else None
+            if out is not None:  # recomputed in backward from q, k and v, which are kept
+                if stats is not None:
+                    stats.add("derived", op, t, t.numel() * t.element_size(), 0)
+                remember(self.token, t, out)
+                count_use(out)
+                return out
             gran = policy.gemm_granularity  # also the output projection's input: a GEMM input
         numel = t.numel()
         nbytes = numel * t.element_size()

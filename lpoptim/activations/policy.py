@@ -7,6 +7,9 @@ Granularity follows COAT's mixed scheme. A saved tensor is classified by the tor
   insensitive to a coarse scale, so one scale per row (or per tensor) is enough and costs nothing.
 - ``attention``: saved by fused attention (``scaled_dot_product_attention``, ``multi_head_attention_forward``).
   COAT keeps these in bf16; ``attention="keep"`` does that, ``"fp8"`` quantizes them per row like a GEMM input.
+- ``mask``: saved by dropout (``dropout``, ``native_dropout``, ``bernoulli``, ...): on the CPU a float mask of 0
+  and 1/(1-p), which FP8 would change (1.1111 -> 1.125, gradients off by several percent): kept exactly. (CUDA's
+  dropout saves a bool mask, kept as every non-float tensor is.)
 - ``nonlinear``: everything else (norms, GELU/SiLU, products, ...): groups of 16 along the last dimension, because
   the backward of a non-linear op multiplies element by element and one outlier must not flatten its whole row.
   This is also the fallback when the saving op is unknown (eager code between a compiled block's graph breaks;
@@ -27,6 +30,11 @@ ATTENTION_OPS = frozenset({
     "scaled_dot_product_attention", "multi_head_attention_forward", "flex_attention",
     "flash_attn_func", "flash_attn_varlen_func",
 })
+# Ops whose saved tensors are masks (values FP8 would change): kept exactly.
+MASK_OPS = frozenset({
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "native_dropout",
+    "bernoulli", "dropout_", "alpha_dropout_", "feature_dropout", "feature_alpha_dropout_", "rrelu",
+})
 
 
 
@@ -39,9 +47,12 @@ class ActivationPolicy:
         needs a reduction pass before quantizing).
     group_size: group length along the last dimension for tensors that feed non-linear ops (COAT: 16).
     attention: "keep" leaves attention's saved tensors as they are (COAT's choice), "fp8" compresses them.
-    attention_output: attention's output is also the output projection's input, which COAT stores in FP8 like
-        every linear layer's input: "gemm" packs it as a GEMM input (``gemm_granularity``) where ``attention``
-        keeps q, k and v; "keep" follows ``attention`` for it too (with ``attention="fp8"`` all are packed per row).
+    attention_output: attention's output, where ``attention="keep"`` keeps q, k and v. "replay" (eager) runs the
+        attention forward again in backward from the kept q, k and v (no memory, the same bits; falls back to
+        "gemm" where the inputs are not all held, e.g. attention with dropout); in compiled graphs it is kept.
+        Packing it (attention's backward reads it for rowsum(dO * O)) moved q's and k's gradients to cosine
+        0.995 (OPT, BERT blocks, head dim 64, bf16). "gemm" packs it as a GEMM input (``gemm_granularity``), as
+        COAT stores the output projection's input; "keep" keeps it. With ``attention="fp8"`` all are packed.
     min_numel: tensors with fewer elements are left alone (norm statistics, biases: not worth a launch).
     recompute: save only the block's inputs (in FP8, groups of ``group_size``) and run the block again in
         backward: an FP8 activation checkpoint.
@@ -57,7 +68,7 @@ class ActivationPolicy:
     gemm_granularity: str = "row"
     group_size: int = 16
     attention: str = "keep"
-    attention_output: str = "gemm"
+    attention_output: str = "replay"
     min_numel: int = 4096
     recompute: bool = False
     unknown: str = "group"
@@ -73,8 +84,8 @@ class ActivationPolicy:
             raise ValueError(f"gemm_granularity must be 'row' or 'tensor', got {self.gemm_granularity!r}")
         if self.attention not in ("keep", "fp8"):
             raise ValueError(f"attention must be 'keep' or 'fp8', got {self.attention!r}")
-        if self.attention_output not in ("gemm", "keep"):
-            raise ValueError(f"attention_output must be 'gemm' or 'keep', got {self.attention_output!r}")
+        if self.attention_output not in ("replay", "gemm", "keep"):
+            raise ValueError(f"attention_output must be 'replay', 'gemm' or 'keep', got {self.attention_output!r}")
         if self.unknown not in ("group", "row"):
             raise ValueError(f"unknown must be 'group' or 'row', got {self.unknown!r}")
         if self.group_size < 1:
@@ -87,6 +98,8 @@ class ActivationPolicy:
             return "gemm"
         if op in ATTENTION_OPS:
             return "attention"
+        if op in MASK_OPS:
+            return "mask"
         return "nonlinear"
 
     def granularity_of(self, kind: str, op: str | None = None) -> str | None:
@@ -95,6 +108,8 @@ class ActivationPolicy:
             return self.gemm_granularity
         if kind == "attention":
             return None if self.attention == "keep" else "row"
+        if kind == "mask":
+            return None
         if op is None:
             return self.unknown
         return "group"

@@ -8,11 +8,23 @@ holds 40 MiB instead of 64 MiB, and nothing else. Backward recomputes the block 
 with the forward's RNG state (dropout) and autocast state restored.
 
 Inputs that do not require grad (rotary tables, masks) are kept by reference: they are shared between blocks,
-so a copy per block would cost memory, not save it.
+so a copy per block would cost memory, not save it. Nothing else holds the block's input or output: the FP8 copy
+is all that stays of the input until backward.
+
+Discrete decisions on floating-point values (a MoE router's ``topk``, ``argmax``, ``sort``) are recorded in
+forward and replayed in backward (``Decisions``): the replay sees the FP8-rounded input, and a token routed to
+another expert than in forward would get the gradient of a computation that never ran. The replayed op takes
+the forward's indices and gathers its values from the replay's input, so gradients flow as through the op.
+
+A block given a KV cache (transformers' ``Cache``, passed when ``use_cache=True``) is refused: the forward
+updates the cache, and the replay would update it again and read the keys and values twice.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .codec import COMPRESSIBLE_DTYPES, PackedActivation, pack
@@ -22,13 +34,22 @@ from .stats import SavedStats
 _AUTOCAST_DEVICES = ("cuda", "cpu")
 
 
+_TENSOR = object()  # a tensor's place among a call's outputs
+
+
 class _Run:
-    """The block call with its non-tensor arguments fixed; called with the tensor arguments only."""
+    """The block call with its non-tensor arguments fixed; called with the tensor arguments only.
+
+    It holds no tensor of the call: it lives in the autograd graph until backward, and a reference to the
+    block's input or output there would keep them in full precision next to the FP8 copy."""
 
     def __init__(self, fn, flat, spec, tensor_idx):
-        self.fn, self.flat, self.spec, self.tensor_idx = fn, flat, spec, tensor_idx
+        self.fn, self.spec, self.tensor_idx = fn, spec, tensor_idx
+        self.flat = list(flat)
+        for i in tensor_idx:
+            self.flat[i] = None  # given with each call
         self.out_spec = None
-        self.out_flat = None
+        self.out_template = None  # the last call's outputs with _TENSOR in place of each tensor
 
     def __call__(self, tensors):
         flat = list(self.flat)
@@ -37,13 +58,73 @@ class _Run:
         args, kwargs = tree_unflatten(flat, self.spec)
         out = self.fn(*args, **kwargs)
         out_flat, self.out_spec = tree_flatten(out)
-        self.out_flat = out_flat
+        self.out_template = [_TENSOR if isinstance(o, torch.Tensor) else o for o in out_flat]
         return [o for o in out_flat if isinstance(o, torch.Tensor)]
+
+
+# Ops whose indices are a discrete decision on floating-point values, by ``__name__`` (torch functions and Tensor
+# methods): the ones with values among their outputs (topk, sort, max / min along a dim) give the values as
+# ``input.gather(dim, indices)``, which their own backward formulas are (a scatter of the gradient at indices).
+_GATHERED = frozenset({"topk", "sort", "max", "min"})
+_DECISION_OPS = _GATHERED | {"argsort", "argmax", "argmin"}
+
+
+def _dim_of(name, args, kwargs):
+    """The reduced / sorted dim of a decision op's call, or None where it makes no decision (max / min without a
+    dim: a value; with a tensor: element-wise)."""
+    if "dim" in kwargs:
+        return kwargs["dim"]
+    pos = 2 if name == "topk" else 1
+    if len(args) > pos:
+        return args[pos] if isinstance(args[pos], int) else None
+    return None if name in ("max", "min") else -1
+
+
+class Decisions(TorchFunctionMode):
+    """Records the indices of ``_DECISION_OPS`` on floating-point inputs in forward, and hands them back, in the same
+    order, to the same ops of the replay (after ``replay()``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.taken: list[tuple[str, tuple, torch.Tensor]] = []  # (op, input shape, indices) in call order
+        self.replaying = False
+        self.next = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", None)
+        x = args[0] if args else None
+        if (name not in _DECISION_OPS or not isinstance(x, torch.Tensor) or not x.is_floating_point()
+                or torch.compiler.is_compiling()):
+            return func(*args, **kwargs)
+        dim = _dim_of(name, args, kwargs)
+        if dim is None:
+            return func(*args, **kwargs)
+        if not self.replaying:
+            out = func(*args, **kwargs)
+            self.taken.append((name, tuple(x.shape), out.indices if name in _GATHERED else out))
+            return out
+        if self.next >= len(self.taken) or self.taken[self.next][:2] != (name, tuple(x.shape)):
+            raise RuntimeError(
+                f"compress_activations(recompute=True): the block's replay called {name} on a {tuple(x.shape)} "
+                "tensor where its forward had not; a recomputed block must make the same calls in backward")
+        indices = self.taken[self.next][2]
+        self.next += 1
+        if name not in _GATHERED:
+            return indices
+        keepdim = kwargs.get("keepdim", len(args) > 2 and bool(args[2])) if name in ("max", "min") else True
+        values = x.gather(dim, indices if keepdim else indices.unsqueeze(dim))
+        return getattr(torch.return_types, name)((values if keepdim else values.squeeze(dim), indices))
+
+    def replay(self):
+        """Enter for the replay: the recorded decisions are handed out from the first."""
+        self.replaying, self.next = True, 0
+        return self
 
 
 class _FP8Recompute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run, policy, stats, n_in, *tensors):
+    def forward(ctx, run, policy, stats, decisions, n_in, *tensors):
         inputs, params = tensors[:n_in], tensors[n_in:]
         ctx.run, ctx.n_in, ctx.params = run, n_in, params
         ctx.cpu_rng = torch.get_rng_state()
@@ -64,7 +145,15 @@ class _FP8Recompute(torch.autograd.Function):
         ctx.stored = stored
         ctx.input_requires_grad = [t.requires_grad for t in inputs]
         ctx.save_for_backward(*kept)
-        outs = run(inputs)
+        ctx.decisions = decisions
+        if decisions is None:
+            outs = run(inputs)
+        else:
+            with decisions:
+                outs = run(inputs)
+            if stats is not None and decisions.taken:
+                for _, _, indices in decisions.taken:
+                    stats.add("decision", None, indices, indices.nbytes, indices.nbytes)
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         return tuple(outs)
 
@@ -80,16 +169,16 @@ class _FP8Recompute(torch.autograd.Function):
             torch.set_rng_state(ctx.cpu_rng)
             for d, s in zip(ctx.cuda_devices, ctx.cuda_rng):
                 torch.cuda.set_rng_state(s, d)
-            with torch.enable_grad(), _autocast(ctx.autocast):
+            with torch.enable_grad(), _autocast(ctx.autocast), _replaying(ctx.decisions):
                 outs = ctx.run(inputs)
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
         targets = [t for t in inputs if t.requires_grad] + [p for p in params if p.requires_grad]
         if not pairs or not targets:
-            return (None,) * (4 + len(inputs) + len(params))
+            return (None,) * (5 + len(inputs) + len(params))
         got = iter(torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True))
         in_grads = [next(got) if t.requires_grad else None for t in inputs]
         p_grads = [next(got) if p.requires_grad else None for p in params]
-        return (None, None, None, None, *in_grads, *p_grads)
+        return (None, None, None, None, None, *in_grads, *p_grads)
 
 
 class _autocast:
@@ -108,20 +197,51 @@ class _autocast:
         return False
 
 
+def _replaying(decisions):
+    return decisions.replay() if decisions is not None else _nothing()
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _kv_cache(flat):
+    """The first transformers ``Cache`` among the call's leaves, or None (transformers not imported: none)."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    cache_type = getattr(cache_utils, "Cache", None)
+    if cache_type is None:
+        return None
+    return next((v for v in flat if isinstance(v, cache_type)), None)
+
+
 def fp8_checkpoint(fn, module: torch.nn.Module, args, kwargs, policy: ActivationPolicy,
-                   stats: SavedStats | None = None):
+                   stats: SavedStats | None = None, decisions: bool = True):
     """Call ``fn(*args, **kwargs)`` (a block's forward) keeping only its inputs, in FP8, for backward.
 
     The parameters that receive gradients are ``module.parameters()``; a block that uses parameters it does
     not own (tied weights of another module) would not get gradients for them, as with reentrant checkpoint.
+    ``decisions``: record the block's discrete decisions (``Decisions``) for the replay; False where the block
+    runs compiled (a TorchFunctionMode would be traced into its graphs).
     """
     flat, spec = tree_flatten((args, kwargs))
+    cache = _kv_cache(flat)
+    if cache is not None:
+        raise RuntimeError(
+            f"compress_activations(recompute=True) cannot replay {type(module).__name__} with a KV cache "
+            f"({type(cache).__name__}: the replay would update it again); pass use_cache=False to the model or set "
+            "model.config.use_cache=False for training")
     tensor_idx = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
     inputs = [flat[i] for i in tensor_idx]
     params = [p for p in module.parameters() if p.requires_grad]
     if not any(t.requires_grad for t in inputs) and not params:
         return fn(*args, **kwargs)
     run = _Run(fn, flat, spec, tensor_idx)
-    outs = iter(_FP8Recompute.apply(run, policy, stats, len(inputs), *inputs, *params))
-    out_flat = [next(outs) if isinstance(o, torch.Tensor) else o for o in run.out_flat]
+    outs = iter(_FP8Recompute.apply(run, policy, stats, Decisions() if decisions else None, len(inputs),
+                                    *inputs, *params))
+    out_flat = [next(outs) if o is _TENSOR else o for o in run.out_template]
+    run.out_template = None
     return tree_unflatten(out_flat, run.out_spec)

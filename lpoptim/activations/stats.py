@@ -13,6 +13,8 @@ Kinds of saved tensors (one record per tensor autograd asked to save):
 - ``duplicate``: the same tensor saved again by another op: shares the first copy, costs nothing.
 - ``derived``: replayed in backward from tensors already held (a cheap element-wise op): costs nothing.
 - ``recompute_input``: a block input held in FP8 by ``recompute=True``.
+- ``decision``: the indices of a discrete decision (a MoE router's topk) that ``recompute=True`` replays.
+- ``mask``: saved by dropout (a float mask on the CPU): kept exactly.
 
 ``original`` is what autograd would have held without the wrapper for that record (0 for parameters and
 duplicates, which would not have cost memory either). A kept tensor costs its whole storage, counted once per

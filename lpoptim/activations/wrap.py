@@ -135,12 +135,12 @@ class _WrappedForward:
         policy, stats = self.handle.policy, self.handle.stats
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             return self.original(*args, **kwargs)  # nothing is saved: nothing to do
-        if policy.recompute:
-            return fp8_checkpoint(self.original, self.module, args, kwargs, policy, stats)
         # about to run compiled: a compiled module, or Dynamo's frame callback set around this (disabled) frame, so
         # the frames it calls are compiled (torch.compile(wrapped_block), a compiled model around it). Read here,
         # not in a helper: Dynamo would compile the helper's frame, or disabling it would clear the callback.
         compiled = isinstance(self.module, _OptimizedModule) or _eval_frame_callback() is not None
+        if policy.recompute:
+            return fp8_checkpoint(self.original, self.module, args, kwargs, policy, stats, decisions=not compiled)
         ctx = _open(self.module, policy, stats, (args, kwargs), self.handle.hooks, not compiled)
         try:
             out = self.original(*args, **kwargs)
