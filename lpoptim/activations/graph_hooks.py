@@ -283,6 +283,7 @@ class GraphHooks:
         self.policy, self.records = policy, records
         self.pack = _hook_module(_pack_hook, self._pack)
         self.unpack = _hook_module(_unpack_hook, _unpack)
+        self.pack._lpoptim = True  # lpoptim's own (hooks.py's warning about outer hooks skips them: nested blocks)
 
     def _pack(self, t):
         info = _hook_context()

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
+import warnings
 import weakref
 
 import torch
@@ -260,6 +261,29 @@ def _constant_ids(inputs) -> set[int]:
     return {id(t) for t in tree_leaves(inputs) if isinstance(t, _Tensor) and not t.requires_grad}
 
 
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_warned_outer = False
+
+
+def _warn_if_outer_hooks() -> None:
+    """Warn once when a user's saved_tensors_hooks (save_on_cpu, ...) are active around a wrapped block.
+
+    Torch calls only the innermost saved-tensor hooks, so inside the block lpoptim's replace the user's: they see
+    nothing the block saves, and e.g. save_on_cpu leaves it on the device. (Composing them, calling the user's
+    hooks on the codes and kept tensors lpoptim holds, is not done yet.)"""
+    global _warned_outer
+    if _warned_outer or _top_hooks is None:
+        return
+    top = _top_hooks(False)
+    if top is None or getattr(top[0], "_lpoptim", False):
+        return
+    _warned_outer = True
+    warnings.warn(
+        "compress_activations: the saved_tensors_hooks active around a wrapped block (e.g. "
+        "torch.autograd.graph.save_on_cpu) do not see what the block saves; lpoptim's hooks hold it (in FP8, on "
+        "its device) instead", stacklevel=3)
+
+
 class PackContext:
     """One forward of one wrapped block: hooks in, a dedupe table, records into ``stats`` when given."""
 
@@ -294,6 +318,7 @@ class PackContext:
         return module_storage_ptrs(self.module)
 
     def __enter__(self):
+        _warn_if_outer_hooks()
         self._hooks.__enter__()  # (raises under torch.func transforms: then nothing is pushed)
         graph_hooks.push(self)
         if self.track_ops:

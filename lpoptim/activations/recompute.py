@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .codec import COMPRESSIBLE_DTYPES, PackedActivation, pack
+from .hooks import _warn_if_outer_hooks
 from .policy import ActivationPolicy
 from .stats import SavedStats
 
@@ -227,6 +228,7 @@ def fp8_checkpoint(fn, module: torch.nn.Module, args, kwargs, policy: Activation
     ``decisions``: record the block's discrete decisions (``Decisions``) for the replay; False where the block
     runs compiled (a TorchFunctionMode would be traced into its graphs).
     """
+    _warn_if_outer_hooks()  # the FP8 inputs are held by the Function, not saved through the hooks
     flat, spec = tree_flatten((args, kwargs))
     cache = _kv_cache(flat)
     if cache is not None:
