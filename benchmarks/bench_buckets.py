@@ -1,7 +1,7 @@
 """lpoptim bench with step_in_backward's bucket size set: what the default bucket_mb was chosen by.
 
     PYTHONPATH=$PWD python3 benchmarks/bench_buckets.py --buckets 128,256,512 \
-        --recipe lpoptim-bf16+fp8tf+bwd+ce+sac55 --preset llama2-7b
+        --recipe lpoptim+bf16+fp8_tensor_fast+bwd+ce+sac55 --preset llama2-7b
 
 Each bucket size runs lpoptim.bench.run (compiled blocks, 8 timed steps after 3 warm-up, as the README's 7B rows)
 with step_in_backward's default bucket_mb replaced; prints peak GiB and tokens/s per size.
@@ -18,7 +18,7 @@ from lpoptim.optim import in_backward  # noqa: E402
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--buckets", default="128,256,512", help="bucket sizes in MiB")
-    ap.add_argument("--recipe", default="lpoptim-bf16+fp8tf+bwd+ce+sac55")
+    ap.add_argument("--recipe", default="lpoptim+bf16+fp8_tensor_fast+bwd+ce+sac55")
     ap.add_argument("--preset", default="llama2-7b")
     args = ap.parse_args()
     batch, seq = bench.DEFAULT_SHAPE[args.preset]

@@ -20,20 +20,19 @@ for w in $what; do
   case $w in
     tests) { python3 -m pytest -q -m gpu tests; python3 -m pytest -q tests/test_dge_kernel.py; } > "$OUT/gpu_tests.txt" 2>&1
            tail -25 "$OUT/gpu_tests.txt" ;;  # test_dge_kernel runs on whichever device there is
-    sass) python3 benchmarks/kernel_sass.py --out "$OUT" ;;
     profile) python3 benchmarks/profile_step.py --out "$OUT" ;;
     optim) python3 benchmarks/optim_step.py --out "$OUT/optim_step.json" ;;
     activations) [ -f benchmarks/activations.py ] && python3 benchmarks/activations.py --out "$OUT/activations.json" ;;
     linear) [ -f benchmarks/linear.py ] && python3 benchmarks/linear.py --out "$OUT/linear.json" ;;
     train) python3 -m lpoptim train --out "$OUT" ;;
     bench) python3 -m lpoptim bench --out "$OUT" ;;
-    records)  # issue 7's record stacks with their baselines (about 8 minutes on an H100)
+    records)  # README's bench rows with their baselines (about 8 minutes on an H100)
       python3 -m lpoptim bench --preset tinyllama-1.1b --compile --steps 8 --out "$OUT/tinyllama" \
-        --recipes bf16,lpoptim-bf16+bwd+ce+sac70,lpoptim-bf16+fp8t+bwd+ce+sac100
-      python3 -m lpoptim bench --preset llama2-7b --compile --steps 8 --out "$OUT/llama2_7b" \
-        --recipes torch-bf16,lpoptim-bf16+fp8tf+bwd+ce+sac55,lpoptim-bf16+fp8tf+bwd+ce+sac60
-      python3 -m lpoptim bench --preset llama2-13b --compile --steps 5 --out "$OUT/llama2_13b" \
-        --recipes lpoptim-bf16+fp8tf+bwd+ce+sac50,lpoptim-bf16+fp8tf+bwd+ce+sac60 ;;
+        --recipes torch,lpoptim+bf16+bwd+ce+sac70,lpoptim+bf16+fp8_tensor+bwd+ce+sac100
+      python3 -m lpoptim bench --preset llama2-7b --compile --steps 8 --warmup 3 --out "$OUT/llama2_7b" \
+        --recipes torch+bf16,lpoptim+bf16+fp8_tensor_fast+bwd+ce+sac55
+      python3 -m lpoptim bench --preset llama2-13b --compile --steps 6 --out "$OUT/llama2_13b" \
+        --recipes lpoptim+bf16+fp8_tensor_fast+bwd+ce+sac60 ;;
     *) python3 $w ;;
   esac
 done

@@ -1,82 +1,135 @@
 """The lpoptim command line.
 
-    lpoptim train [--preset tiny|shakespeare] [--runs torch,lpoptim,...] [--steps N] [--out DIR]
-    lpoptim bench [--preset tiny|tinyllama-1.1b|llama2-7b|llama2-13b] [--batch B] [--seq S] [--recipes ...]
+    lpoptim train [--preset tiny|shakespeare] [--runs torch,lpoptim,...] [--steps N] [--text FILE] [--out DIR]
+    lpoptim bench [--preset tiny|tinyllama-1.1b|llama2-7b|...] [--batch B] [--seq S] [--recipes ...]
                   [--steps N] [--compile] [--out DIR]
 
 ``train`` trains the small GPT on the bundled tinyshakespeare (or --text FILE) once per run, same seed, data and
-schedule, and prints final train/val loss and optimizer-state memory side by side; it writes JSON and a PNG of
-the loss curves into --out. Runs: torch (torch.optim.AdamW), lpoptim (lpoptim.AdamW), lpoptim+fp8 / +fp4 / +int4
-(low-bit linears), lpoptim+fp8+act (and FP8 activations), +bf16 (bf16 parameters, no fp32 master: torch rounds
-to nearest, lpoptim stochastically). The preset defaults to tiny on the CPU (about a
-minute) and to nanoGPT's shakespeare-char recipe on a GPU.
+schedule, prints final train/val loss and optimizer-state memory side by side, and writes train.json and
+train_loss.png into --out. The preset defaults to tiny on the CPU (about a minute) and to nanoGPT's
+shakespeare-char recipe on a GPU.
 
-``bench`` times one training step of a Llama-shaped model (random init) under each recipe: bf16 (torch AdamW),
-lpoptim, lpoptim+act, lpoptim+fp8+act / +fp4+act / +int4+act, and bnb / torchao where importable; it prints
-peak memory by component and tokens/s, and writes bench.json and bench.png into --out. The preset defaults to
-tiny on the CPU and tinyllama-1.1b on a GPU.
+``bench`` times one training step of a Llama-shaped model (random init) under each recipe, prints peak memory by
+component and tokens/s, and writes bench.json and bench.png into --out. The preset defaults to tiny on the CPU
+and tinyllama-1.1b on a GPU.
+
+Runs and recipes share one vocabulary (``lpoptim bench --help`` lists it): an optimizer, then +parts.
+Every argument is checked before any work; a bad one is refused with one line and exit status 2.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
 import torch
 
-from . import bench
-from .bench import STACKS
+from . import __version__
+from .stack import Stack, parse_stack, vocabulary
 
 PRESETS = {
-    # a couple of minutes on 2 CPU cores
+    # about a minute on 2 CPU cores
     "tiny": dict(n_layer=2, n_head=2, n_embd=64, block_size=64, batch_size=16, steps=300, lr=3e-3, eval_every=100),
-    # nanoGPT's shakespeare-char recipe (DESIGN.md §6)
+    # nanoGPT's shakespeare-char recipe
     "shakespeare": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, dropout=0.2, steps=5000,
                         lr=1e-3, warmup=100, eval_every=500, eval_batches=40),
 }
+# the loop builds its own model, optimizer and data: these parts are bench's alone
+TRAIN_PARTS = "an optimizer (torch, lpoptim), then any of +bf16, +act, +<linear recipe>"
 
 
-# as lpoptim bench names them
-LINEAR_ALIASES = {"fp8t": "fp8_tensor", "fp8tf": "fp8_tensor_fast", "fp8d": "fp8_delayed", "fp4f": "fp4_fast"}
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not the usage block: the message names the argument
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def parse_run(name: str) -> dict:
-    parts = name.split("+")
-    if parts[0] not in ("torch", "lpoptim"):
-        raise SystemExit(f"run {name!r}: must start with 'torch' or 'lpoptim'")
-    run = dict(optimizer=parts[0], recipe=None, compress=False)
-    for p in parts[1:]:
-        if p in ("fp8", "fp4", "int4"):
-            run["recipe"] = p
-        elif p in LINEAR_ALIASES:
-            run["recipe"] = LINEAR_ALIASES[p]
-        elif p == "act":
-            run["compress"] = True
-        elif p == "bf16":
-            run["master"] = "bf16"
-        else:
-            raise SystemExit(f"run {name!r}: unknown part {p!r} (fp8, fp8t, fp8tf, fp8d, fp4, fp4f, int4, act, bf16)")
-    return run
+def positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
 
 
-def progress_printer(label: str):
-    def show(step, steps, loss):  # the loop calls it about 50 times a run
-        bar = "#" * int(30 * step / steps)
-        print(f"\r  {label:40s} [{bar:30s}] {step}/{steps} loss {loss:.4f}", end="", file=sys.stderr, flush=True)
+def positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return x
+
+
+def stack_list(text: str) -> list[Stack]:
+    """A comma-separated list of recipe names, every one parsed (so a bad one is refused before any runs)."""
+    try:
+        return [parse_stack(name) for name in text.split(",")]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def train_run(stack: Stack) -> dict:
+    """The RunConfig fields of a train run; ValueError for parts only bench has."""
+    if (stack.optimizer not in ("torch", "lpoptim") or stack.recompute or stack.in_backward or stack.chunked_loss
+            or stack.activation_budget is not None or stack.cuda_graphs):
+        raise ValueError(f"run {stack.name!r}: train takes {TRAIN_PARTS}")
+    return dict(optimizer=stack.optimizer, recipe=stack.linears, compress=stack.compress, master=stack.master)
+
+
+def train_runs(text: str) -> list[tuple[str, dict]]:
+    try:
+        return [(s.name, train_run(s)) for s in stack_list(text)]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def existing_file(text: str) -> Path:
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return path
+
+
+def resolve_device(ap: Parser, device: str | None) -> str:
+    if device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device is available")
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def make_out_dir(ap: Parser, out: str) -> Path:
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        ap.error(f"--out {out}: {e.strerror}")
+    return path
+
+
+def progress_bar(label: str, steps: int):
+    """The training loop's progress callback (called about 50 times a run) as a tqdm bar on stderr."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=steps, desc=label, file=sys.stderr, dynamic_ncols=True)
+
+    def show(step, steps, loss):
+        bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        bar.update(step - bar.n)
         if step == steps:
-            print(file=sys.stderr)
+            bar.close()
     return show
 
 
-def plot_curves(results: list[dict], path: Path) -> bool:
-    try:
-        import matplotlib
+def plot_curves(results: list[dict], title: str, path: Path) -> None:
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in results:
         curve = torch.tensor(r["curve"])
@@ -87,36 +140,41 @@ def plot_curves(results: list[dict], path: Path) -> bool:
         ax.plot(steps, vals, "o--", color=line.get_color(), label=f"{r['label']} (val)")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy")
-    ax.set_title("small GPT on tinyshakespeare: same seed, data and schedule")
+    ax.set_title(title)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return True
 
 
-def cmd_train(args) -> int:
-    from .train.data import CharData
+def cmd_train(ap: Parser, args) -> int:
+    from .bench import environment
+    from .train.data import CharData, bundled_text_path
     from .train.loop import RunConfig, train
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(ap, args.device)
     preset = dict(PRESETS[args.preset or ("shakespeare" if device == "cuda" else "tiny")])
-    if args.steps:
+    if args.steps is not None:
         preset["steps"] = args.steps
         preset["eval_every"] = max(1, args.steps // 5)
-    data = CharData(args.text, device=device)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    text = args.text or bundled_text_path()
+    try:
+        data = CharData(text, device=device)
+    except (OSError, UnicodeDecodeError) as e:
+        ap.error(f"--text {text}: cannot read it as text ({e})")
+    if len(data.val) <= preset["block_size"] + 1:
+        ap.error(f"--text {text}: too short; its last 10% must hold more than {preset['block_size'] + 1} characters")
+    out_dir = make_out_dir(ap, args.out)
     results = []
-    for name in args.runs.split(","):
-        cfg = RunConfig(**parse_run(name), **preset, seed=args.seed, device=device,
+    for name, run in args.runs:
+        cfg = RunConfig(**run, **preset, seed=args.seed, device=device,
                         autocast_dtype=torch.bfloat16 if device == "cuda" else None)
-        results.append(train(cfg, data, progress_printer(cfg.label)))
+        results.append(dict(train(cfg, data, progress_bar(name, cfg.steps)), run=name))
     base = results[0]
+    gpu = f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""
     print(f"\ncharacter-level GPT ({preset['n_layer']} layers, {preset['n_embd']} dims, {preset['steps']} steps) on "
-          f"{Path(args.text).name if args.text else 'tinyshakespeare'}, {device}"
-          f"{' (' + torch.cuda.get_device_name() + ')' if device == 'cuda' else ''}, torch {torch.__version__}, seed {args.seed}")
+          f"{Path(text).name}, {device}{gpu}, torch {torch.__version__}, seed {args.seed}")
     w = max(40, *(len(r["label"]) for r in results))  # the run column, as wide as its longest label
     print(f"| {'run':{w}s} | train loss | val loss | best val | val vs first | state B/param (quantized) | seconds |")
     print(f"|{'-' * (w + 2)}|-----------:|---------:|---------:|-------------:|--------------------------:|--------:|")
@@ -126,69 +184,85 @@ def cmd_train(args) -> int:
         quant = f"{sb['bytes_per_param']:.2f} ({sb['quantized_bytes_per_param']:.3f})" if sb["quantized_params"] else f"{sb['bytes_per_param']:.2f}"
         print(f"| {r['label']:{w}s} | {r['train']:10.4f} | {r['val']:8.4f} | {best:8.4f} | "
               f"{100 * (r['val'] / base['val'] - 1):+11.2f}% | {quant:>25s} | {r['seconds']:7.1f} |")
-    env = dict(bench.environment(), device=device)
-    (out_dir / "train.json").write_text(json.dumps(dict(env=env, device=device, preset=preset, results=results), indent=1))
-    if plot_curves(results, out_dir / "train_loss.png"):
-        print(f"wrote {out_dir / 'train.json'} and {out_dir / 'train_loss.png'}")
+    env = dict(environment(), device=device)
+    report = dict(env=env, device=device, text=str(text), preset=preset, results=results)
+    (out_dir / "train.json").write_text(json.dumps(report, indent=1))
+    plot_curves(results, f"small GPT on {Path(text).name}: same seed, data and schedule", out_dir / "train_loss.png")
+    print(f"wrote {out_dir / 'train.json'} and {out_dir / 'train_loss.png'}")
     return 0
 
 
-def cmd_bench(args, argv) -> int:
-    import shlex
-
+def cmd_bench(ap: Parser, args, argv) -> int:
     from . import bench
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(ap, args.device)
+    if args.memory_cap_gib is not None and device != "cuda":
+        ap.error("--memory-cap-gib caps the CUDA allocator: it needs CUDA")
     preset = args.preset or ("tinyllama-1.1b" if device == "cuda" else "tiny")
     batch, seq = bench.DEFAULT_SHAPE[preset]
-    recipes = args.recipes.split(",")
-    for name in recipes:
-        try:
-            bench.stack_of(name)
-        except KeyError as e:
-            raise SystemExit(e.args[0]) from None
-    print(f"lpoptim bench: {preset}, {args.batch or batch} x {args.seq or seq} tokens, {device}", file=sys.stderr)
-    report = bench.run(preset, recipes, args.batch or batch, args.seq or seq, args.steps, args.warmup, device,
+    batch, seq = args.batch or batch, args.seq or seq
+    out_dir = make_out_dir(ap, args.out)
+    names = [s.name for s in args.recipes]
+    print(f"lpoptim bench: {preset}, {batch} x {seq} tokens, {device}", file=sys.stderr)
+    report = bench.run(preset, names, batch, seq, args.steps, args.warmup, device,
                        compile_blocks=args.compile, log=lambda s: print(s, file=sys.stderr, flush=True),
                        n_layer=args.n_layer, memory_cap_gib=args.memory_cap_gib)
     report["command"] = shlex.join(["python", "-m", "lpoptim", *argv])
-    paths = bench.write(report, Path(args.out))
+    paths = bench.write(report, out_dir)
     print("\n" + bench.table(report))
     print("wrote " + " and ".join(str(p) for p in paths))
+    failed = [r["recipe"] for r in report["results"] if "error" in r]
+    if failed:  # the figures of the others are written, but the command did not do what was asked
+        print(f"lpoptim bench: {len(failed)} recipe(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="lpoptim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> Parser:
+    from .bench import DEFAULT_RECIPES, DEFAULT_SHAPE
+
+    raw = argparse.RawDescriptionHelpFormatter
+    ap = Parser(prog="lpoptim", description=__doc__, formatter_class=raw)
+    ap.add_argument("--version", action="version", version=f"lpoptim {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("train", help="train a small GPT with each run side by side")
-    t.add_argument("--runs", default="torch,lpoptim", help="comma-separated: torch, lpoptim, lpoptim+fp8, lpoptim+fp8+act, ...")
+    t = sub.add_parser("train", help="train a small GPT with each run side by side", formatter_class=raw,
+                       epilog=f"A run is {TRAIN_PARTS}; e.g. torch,lpoptim,lpoptim+fp8_delayed+act.\n\n{vocabulary()}")
+    t.add_argument("--runs", type=train_runs, default=train_runs("torch,lpoptim"),
+                   help="comma-separated runs (default: torch,lpoptim); the first is the baseline")
     t.add_argument("--preset", choices=sorted(PRESETS), help="model size and schedule (default: tiny on CPU, shakespeare on GPU)")
-    t.add_argument("--steps", type=int, help="override the preset's number of steps")
-    t.add_argument("--text", help="a text file (default: the bundled tinyshakespeare)")
-    t.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    t.add_argument("--steps", type=positive_int, help="override the preset's number of steps")
+    t.add_argument("--text", type=existing_file, help="a text file (default: the bundled tinyshakespeare)")
+    t.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--out", default="results", help="folder for train.json and train_loss.png")
-    b = sub.add_parser("bench", help="memory and tokens/s of one training step of a Llama-shaped model per recipe")
-    b.add_argument("--preset", choices=list(bench.DEFAULT_SHAPE),
+    t.add_argument("--out", default="results", help="folder for train.json and train_loss.png (default: results)")
+    b = sub.add_parser("bench", help="memory and tokens/s of one training step of a Llama-shaped model per recipe",
+                       formatter_class=raw, epilog=f"Recipes:\n{vocabulary()}\n\n"
+                                                   f"e.g. lpoptim+bf16+fp8_delayed+bwd+ce+sac55 (with --compile)")
+    b.add_argument("--preset", choices=list(DEFAULT_SHAPE),
                    help="model shape (default: tiny on CPU, tinyllama-1.1b on GPU)")
-    b.add_argument("--batch", type=int, help="sequences per step (default: tiny 2, tinyllama 4, 7B/13B 1)")
-    b.add_argument("--seq", type=int, help="tokens per sequence (default: tiny 64, others 2048)")
-    b.add_argument("--recipes", default=",".join(STACKS),
-                   help="comma-separated subset of the default; with --compile each may end in +sacNN (Inductor keeps NN%% of the activations, recomputes the rest)")
-    b.add_argument("--steps", type=int, default=5, help="timed steps (median), after --warmup")
-    b.add_argument("--warmup", type=int, default=2, help="untimed steps first (kernel compilation, state allocation)")
+    b.add_argument("--batch", type=positive_int, help="sequences per step (default: tiny 2, tinyllama 4, larger 1)")
+    b.add_argument("--seq", type=positive_int, help="tokens per sequence (default: tiny 64, others 2048)")
+    b.add_argument("--recipes", type=stack_list, default=stack_list(",".join(DEFAULT_RECIPES)),
+                   help=f"comma-separated recipes (default: {','.join(DEFAULT_RECIPES)}); the first is the baseline")
+    b.add_argument("--steps", type=positive_int, default=5, help="timed steps (median), after --warmup")
+    b.add_argument("--warmup", type=positive_int, default=2,
+                   help="untimed steps first (kernel compilation, state allocation); the last measures memory")
     b.add_argument("--compile", action="store_true", help="torch.compile each decoder block")
-    b.add_argument("--n-layer", type=int, help="override the preset's number of layers (to find the largest model)")
-    b.add_argument("--memory-cap-gib", type=float,
+    b.add_argument("--n-layer", type=positive_int, help="override the preset's number of layers")
+    b.add_argument("--memory-cap-gib", type=positive_float,
                    help="allow the CUDA allocator this many GiB (e.g. 79.6 to stand in for an 80 GB H100 on a larger GPU)")
-    b.add_argument("--device", help="cpu or cuda (default: cuda if available)")
-    b.add_argument("--out", default="results", help="folder for bench.json and bench.png")
+    b.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available")
+    b.add_argument("--out", default="results", help="folder for bench.json and bench.png (default: results)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     if args.cmd == "bench":
-        return cmd_bench(args, argv)
-    return cmd_train(args)
+        return cmd_bench(ap, args, argv)
+    return cmd_train(ap, args)
 
 
 if __name__ == "__main__":

@@ -2,19 +2,12 @@
 
 Every stack trains the same randomly initialised model (lpoptim/train/llama.py) on the same random tokens with
 bf16 autocast; a step is zero_grad, forward, backward, optimizer step (no clipping). Master weights are fp32
-(the model's parameters; autocast computes in bf16) or, for the ``-bf16`` stacks, bf16 (the parameters
+(the model's parameters; autocast computes in bf16) or, for the ``+bf16`` stacks, bf16 (the parameters
 themselves; torch AdamW then keeps bf16 states and rounds to nearest, lpoptim rounds stochastically).
 
-Stacks: ``bf16`` (torch AdamW, fused on CUDA), ``torch-bf16`` (the same on bf16 parameters),
-``lpoptim`` (lpoptim.AdamW), ``lpoptim-bf16`` (on bf16 parameters), ``+bwd`` (step_in_backward), ``+ce`` (the LM
-head and loss chunk by chunk: lpoptim.nn.linear_cross_entropy), ``+rec`` (FP8 block inputs, blocks recomputed in
-backward), ``lpoptim+act`` (and
-compress_activations on every block), ``lpoptim+fp8+act`` / ``+fp4+act`` / ``+int4+act`` (and convert_linears),
-``+fp8`` / ``+fp8t`` / ``+fp8tf`` (fp8 linears scaled per row / per tensor / per tensor with the forward GEMM's
-fast accumulation; no activation hooks),
-``bnb`` (bitsandbytes AdamW8bit) and ``torchao`` (torchao float8 linears + AdamWFp8), the last two on CUDA only.
-With ``--compile`` any recipe may end in ``+sacNN``: Inductor's partitioner then keeps NN% of the activations the
-compiled block would save and recomputes the rest (torch._functorch.config.activation_memory_budget).
+Stacks are named as lpoptim/stack.py parses them: an optimizer (torch, lpoptim, bnb, torchao) followed by parts
+(+bf16, +act, +rec, +bwd, +ce, a linear recipe such as +fp8_delayed, +sacNN, +cg); ``lpoptim bench --help`` lists
+them. bnb and torchao run on CUDA only; +sacNN and +cg need --compile.
 
 Memory, per stack: parameters, gradients and optimizer states are sums of their tensors' bytes. On CUDA
 ``peak`` is torch.cuda.max_memory_allocated over the timed steps and ``activations`` is what the forward pass
@@ -30,93 +23,21 @@ import gc
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
+from .nn.recipes import DEFAULT_RECIPE
+from .stack import Stack, parse_stack
 from .train.llama import PRESETS, Llama, LlamaConfig
 from .train.loop import RunConfig, build_optimizer
 
 
-@dataclass(frozen=True)
-class Stack:
-    optimizer: str  # "torch", "lpoptim", "bnb", "torchao"
-    linears: str | None = None  # convert_linears recipe, or "torchao" (torchao float8 training)
-    compress: bool = False  # compress_activations on every block
-    label: str = ""
-    in_backward: bool = False  # lpoptim.step_in_backward: each update (and gradient release) during backward
-    master: str = "fp32"  # the parameters' dtype: "fp32" (bf16 autocast) or "bf16" (lpoptim: stochastic rounding)
-    chunked_loss: bool = False  # LM head + loss chunk by chunk (lpoptim.nn.linear_cross_entropy)
-    recompute: bool = False  # compress_activations(recompute=True): only each block's input kept, in FP8
-    # compiled blocks only: Inductor's activation_memory_budget (a fraction of what the compiled block would save;
-    # its partitioner recomputes the cheapest ops to fit): recipe suffix +sacNN, NN percent
-    activation_budget: float | None = None
-    # compiled blocks only: Inductor's CUDA graphs (torch.compile mode "reduce-overhead"), recipe suffix +cg.
-    # Each block's forward and backward replay as graphs: no per-kernel host work, so the step no longer waits on
-    # a slow host. Their intermediates live in a private pool the allocator's "allocated" figure does not see
-    # during replays, so such a stack's peak is the allocator's *reserved* peak (an upper bound).
-    cuda_graphs: bool = False
-
-
-STACKS = {
-    "bf16": Stack("torch", label="torch AdamW (bf16 autocast, fp32 master)"),
-    "lpoptim": Stack("lpoptim", label="lpoptim.AdamW"),
-    "lpoptim+act": Stack("lpoptim", compress=True, label="lpoptim.AdamW + FP8 activations"),
-    "lpoptim+act+bwd": Stack("lpoptim", compress=True, in_backward=True,
-                             label="lpoptim.AdamW (step in backward) + FP8 activations"),
-    "torch-bf16": Stack("torch", master="bf16", label="torch AdamW, bf16 params and states"),
-    "lpoptim-bf16": Stack("lpoptim", master="bf16", label="lpoptim.AdamW, bf16 params (stochastic rounding)"),
-    "lpoptim-bf16+act+bwd": Stack("lpoptim", compress=True, in_backward=True, master="bf16",
-                                  label="lpoptim.AdamW bf16 SR, step in backward, FP8 act."),
-    "lpoptim-bf16+fp8+act+bwd": Stack("lpoptim", "fp8", True, in_backward=True, master="bf16",
-                                      label="lpoptim.AdamW bf16 SR, step in backward, fp8 linears, FP8 act."),
-    "lpoptim-bf16+bwd+ce": Stack("lpoptim", in_backward=True, master="bf16", chunked_loss=True,
-                                 label="lpoptim.AdamW bf16 SR, step in backward, chunked head+loss"),
-    "lpoptim-bf16+act+bwd+ce": Stack("lpoptim", compress=True, in_backward=True, master="bf16", chunked_loss=True,
-                                     label="lpoptim.AdamW bf16 SR, step in backward, FP8 act., chunked head+loss"),
-    "lpoptim-bf16+fp8+act+bwd+ce": Stack("lpoptim", "fp8", True, in_backward=True, master="bf16", chunked_loss=True,
-                                         label="lpoptim.AdamW bf16 SR, step in bwd, fp8 linears, FP8 act., chunked loss"),
-    "lpoptim-bf16+fp8+bwd+ce": Stack("lpoptim", "fp8", in_backward=True, master="bf16", chunked_loss=True,
-                                     label="lpoptim.AdamW bf16 SR, step in bwd, fp8 linears (per row), chunked loss"),
-    "lpoptim-bf16+fp8t+bwd+ce": Stack("lpoptim", "fp8_tensor", in_backward=True, master="bf16", chunked_loss=True,
-                                      label="lpoptim.AdamW bf16 SR, step in bwd, fp8 linears (per tensor), chunked loss"),
-    "lpoptim-bf16+fp8tf+bwd+ce": Stack("lpoptim", "fp8_tensor_fast", in_backward=True, master="bf16", chunked_loss=True,
-                                       label="lpoptim.AdamW bf16 SR, step in bwd, fp8 linears (per tensor, fast accumulation "
-                                             "in the forward), chunked loss"),
-    "lpoptim-bf16+rec+bwd+ce": Stack("lpoptim", compress=True, in_backward=True, master="bf16", chunked_loss=True,
-                                     recompute=True,
-                                     label="lpoptim.AdamW bf16 SR, step in bwd, FP8 block inputs + recompute, chunked loss"),
-    "lpoptim+fp8tf+bwd+ce": Stack("lpoptim", "fp8_tensor_fast", in_backward=True, chunked_loss=True,
-                                  label="lpoptim.AdamW fp32 master, step in bwd, fp8 linears (per tensor, fast "
-                                        "accumulation in the forward), chunked loss"),
-    "lpoptim+fp8+act": Stack("lpoptim", "fp8", True, "lpoptim.AdamW + fp8 linears + FP8 act."),
-    "lpoptim+fp4+act": Stack("lpoptim", "fp4", True, "lpoptim.AdamW + fp4 linears + FP8 act."),
-    "lpoptim+int4+act": Stack("lpoptim", "int4", True, "lpoptim.AdamW + int4 linears + FP8 act."),
-    "bnb": Stack("bnb", label="bitsandbytes AdamW8bit"),
-    "torchao": Stack("torchao", "torchao", label="torchao float8 linears + AdamWFp8"),
-}
-
-SAC = "+sac"  # recipe suffix: +sac50 is the recipe with activation_budget 0.5
-CG = "+cg"  # recipe suffix, last: the compiled blocks replay as CUDA graphs
-
-
-def stack_of(name: str) -> Stack:
-    """The stack of a recipe name: one of STACKS, optionally followed by +sacNN (0 < NN <= 100), then by +cg."""
-    if name.endswith(CG):
-        if name[: -len(CG)].endswith(CG):
-            raise KeyError(f"unknown recipe {name!r}: {CG} once, at the end")
-        stack = stack_of(name[: -len(CG)])
-        return replace(stack, cuda_graphs=True, label=f"{stack.label}, blocks replayed as CUDA graphs")
-    if name in STACKS:
-        return STACKS[name]
-    base, sep, pct = name.rpartition(SAC)
-    if sep and base in STACKS and pct.isascii() and pct.isdigit() and 0 < int(pct) <= 100:
-        stack = STACKS[base]
-        return replace(stack, activation_budget=int(pct) / 100,
-                       label=f"{stack.label}, Inductor keeps {int(pct)}% of activations (--compile)")
-    raise KeyError(f"unknown recipe {name!r}; choose from {','.join(STACKS)} (each may end in {SAC}NN, NN in 1..100, "
-                   f"then in {CG}, both with --compile)")
+# what `lpoptim bench` runs without --recipes: each optimizer alone, then lpoptim's memory features added up
+DEFAULT_RECIPES = ("torch", "torch+bf16", "lpoptim", "lpoptim+bf16", "lpoptim+act", "lpoptim+bf16+act+bwd+ce",
+                   "lpoptim+bf16+rec+bwd+ce", f"lpoptim+bf16+{DEFAULT_RECIPE}+bwd+ce", "lpoptim+fp8+act",
+                   "lpoptim+fp4+act", "lpoptim+int4+act", "bnb", "torchao")
 
 
 # (batch, seq) when not given on the command line
@@ -126,13 +47,12 @@ DEFAULT_SHAPE = {"tiny": (2, 64), "tinyllama-1.1b": (4, 2048), "llama2-7b": (1, 
 PARTS = ("params", "grads", "states", "activations")
 
 
-def unavailable(name: str, device: str, compile_blocks: bool = False) -> str | None:
-    """Why stack ``name`` cannot run here (None: it can)."""
-    stack = stack_of(name)
+def unavailable(stack: Stack, device: str, compile_blocks: bool = False) -> str | None:
+    """Why ``stack`` cannot run here (None: it can)."""
     if stack.activation_budget is not None and not compile_blocks:
-        return f"{SAC}NN is a budget for Inductor's partitioner: it needs --compile"
+        return "+sacNN is a budget for Inductor's partitioner: it needs --compile"
     if stack.cuda_graphs and not (compile_blocks and device == "cuda"):
-        return f"{CG} replays the compiled blocks as CUDA graphs: it needs --compile and CUDA"
+        return "+cg replays the compiled blocks as CUDA graphs: it needs --compile and CUDA"
     if stack.optimizer == "bnb":
         try:
             import bitsandbytes  # noqa: F401
@@ -350,9 +270,9 @@ def run(preset: str, recipes: list[str], batch: int, seq: int, steps: int, warmu
     steps, warmup = max(1, steps), max(1, warmup)  # the last warm-up step is the one that measures memory
     results = []
     for name in recipes:
-        stack = stack_of(name)
-        row = dict(recipe=name, label=stack.label, master=stack.master, activation_budget=stack.activation_budget)
-        why = unavailable(name, device, compile_blocks)
+        stack = parse_stack(name)
+        row = dict(recipe=stack.name, label=stack.label, master=stack.master, activation_budget=stack.activation_budget)
+        why = unavailable(stack, device, compile_blocks)
         if why:
             log(f"  {name}: skipped, {why}")
             results.append(dict(row, skipped=why))
@@ -413,7 +333,7 @@ def table(report: dict) -> str:
     lines = [
         f"{report['preset']} (Llama-style: {m['n_layer']} layers, d {m['d_model']}, ffn {m['ffn_dim']}, "
         f"{m['n_head']}/{m['n_kv_head']} heads, vocab {m['vocab_size']}), batch {report['batch']} x {report['seq']}, "
-        f"bf16 autocast, fp32 master (bf16 for -bf16 recipes), {'blocks compiled' if report['compile'] else 'eager'}; "
+        f"bf16 autocast, fp32 master (bf16 for +bf16 recipes), {'blocks compiled' if report['compile'] else 'eager'}; "
         f"median of {report['steps']} steps after {report['warmup']} warm-up",
         f"device: {env['gpu'] or 'CPU'}, torch {env['torch']}, triton {env['triton']}"
         + (f", allocator capped at {env['memory_cap_gib']} GiB" if env.get("memory_cap_gib") else ""),
@@ -421,7 +341,7 @@ def table(report: dict) -> str:
         f"command: {report.get('command', '')}",
     ]
     if any(r.get("peak_kind") == "reserved" for r in report["results"]):
-        lines.append(f"{CG} recipes: blocks replayed as CUDA graphs; their peak is the allocator's reserved peak (the "
+        lines.append("+cg recipes: blocks replayed as CUDA graphs; their peak is the allocator's reserved peak (the "
                      "graphs' private pool is not in its allocated figure during replays), an upper bound")
     if not cuda:
         lines.append("CPU: no allocator peak; every figure is a sum of tensor bytes, activations = bytes autograd "
@@ -431,7 +351,7 @@ def table(report: dict) -> str:
     lines += ["", "| " + " | ".join(cols) + " |", "|---|" + "---:|" * (len(cols) - 1)]
     for r in report["results"]:
         if "tokens_per_s" not in r:
-            note = r.get("skipped") and f"skipped: {r['skipped']}" or r.get("error", "")
+            note = f"skipped: {r['skipped']}" if r.get("skipped") else f"FAILED: {r.get('error')}"
             lines.append(f"| {r['recipe']} | {note} |" + " |" * (len(cols) - 2))
             continue
         cells = ["n/a" if r[k + "_bytes"] is None else f"{r[k + '_bytes'] / div:.2f}" for k in ("peak", *PARTS)]
@@ -446,38 +366,39 @@ def table(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> bool:
-    """bench.png: memory stacked by component (peak marked) and tokens/s, one bar per recipe that ran."""
-    try:
-        import matplotlib
+    """bench.png: memory stacked by component (peak marked) and tokens/s, one horizontal bar per recipe that ran
+    (horizontal, and as tall as the list, so that long recipe names stay readable however many there are)."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     rows = [r for r in report["results"] if "tokens_per_s" in r]
     if not rows:
         return False
     cuda = report["peak_measured"]
     unit, div = ("GiB", 2**30) if cuda else ("MiB", 2**20)
     names = [r["recipe"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    bottom = [0.0] * len(rows)
+    y = list(range(len(rows)))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 1.5 + 0.4 * len(rows)), sharey=True)
+    left = [0.0] * len(rows)
     for part in PARTS:
         vals = [(r[f"{part}_bytes"] or 0) / div for r in rows]  # None: not measured (+cg activations)
-        ax1.bar(names, vals, bottom=bottom, label=part)
-        bottom = [b + v for b, v in zip(bottom, vals)]
+        ax1.barh(y, vals, left=left, label=part)
+        left = [a + v for a, v in zip(left, vals)]
     if cuda:
-        ax1.scatter(names, [r["peak_bytes"] / div for r in rows], marker="_", s=900, color="black", zorder=3,
+        ax1.scatter([r["peak_bytes"] / div for r in rows], y, marker="|", s=300, color="black", zorder=3,
                     label="measured peak (max_memory_allocated; reserved for +cg)")
-    ax1.set_ylabel(unit)
+    ax1.set_yticks(y, names, fontsize=9)
+    ax1.invert_yaxis()  # the first recipe (the baseline) on top
+    ax1.set_xlabel(unit)
     ax1.set_title("memory by component" + ("" if cuda else " (CPU: tensor bytes, estimate)"))
-    ax1.legend(fontsize=8)
-    ax2.bar(names, [r["tokens_per_s"] for r in rows], color="tab:gray")
-    ax2.set_ylabel("tokens/s")
+    ax1.legend(fontsize=8, loc="lower right")
+    ax2.barh(y, [r["tokens_per_s"] for r in rows], color="tab:gray")
+    ax2.set_xlabel("tokens/s")
     ax2.set_title(f"training throughput ({report['env']['gpu'] or 'CPU'})")
     for ax in (ax1, ax2):
-        ax.tick_params(axis="x", rotation=30)
-        ax.grid(axis="y", alpha=0.3)
+        ax.grid(axis="x", alpha=0.3)
     fig.suptitle(f"{report['preset']}, batch {report['batch']} x {report['seq']}, torch {report['env']['torch']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

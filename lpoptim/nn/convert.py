@@ -7,7 +7,7 @@ from typing import Callable
 import torch.nn as nn
 
 from .linear import LowBitLinear, module_class
-from .recipes import Recipe, get_recipe
+from .recipes import DEFAULT_RECIPE, Recipe, get_recipe
 
 # Output heads stay in high precision by default: their logits feed a softmax over the vocabulary, and 4-bit
 # logits cost far more quality than the one GEMM saves (the usual practice in FP8/FP4 training recipes).
@@ -18,21 +18,22 @@ def _embedding_weights(model: nn.Module) -> set[int]:
     return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
 
 
-def convert_linears(model: nn.Module, recipe: str | Recipe = "fp8", *,
+def convert_linears(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *,
                     filter_fn: Callable[[nn.Module, str], bool] | None = None,
                     skip: tuple[str, ...] = DEFAULT_SKIP, skip_tied: bool = True, **recipe_overrides) -> nn.Module:
     """Replace every nn.Linear of ``model`` (in place) by a LowBitLinear running ``recipe``; returns ``model``.
 
-    recipe: "fp8", "fp8_tensor", "fp8_delayed", "fp4", "fp4_fast", "fp4_block32", "int4", "int4_split", or a
-      Recipe; keyword overrides change its fields (e.g. ``hadamard_block=64``, ``occ_alpha=None``,
-      ``scaling="delayed"``).
+    recipe: a name of lpoptim.nn.RECIPES (default "fp8_delayed": fp8 scaled per tensor from recent absmax values)
+      or a Recipe; keyword overrides change its fields (e.g. ``hadamard_block=64``, ``occ_alpha=None``).
     Kept in high precision: layers whose last name component is in ``skip`` (the LM head), layers whose weight
       is shared with an nn.Embedding when ``skip_tied`` (a tied head), and layers with a feature dim not divisible
       by 16 (with a warning). Embeddings are not Linear and are never touched.
     filter_fn(module, fqn) -> bool: when given, a layer is converted only if it also returns True.
     Parameters are shared, not copied: an optimizer built before the conversion still holds the right tensors.
     """
-    recipe = get_recipe(recipe, **recipe_overrides)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert_linears takes an nn.Module, got {type(model).__name__}")
+    recipe = get_recipe(recipe, **recipe_overrides)  # TypeError / ValueError before anything is touched
     tied = _embedding_weights(model) if skip_tied else set()
     cls = module_class(recipe)
     todo, odd = [], []

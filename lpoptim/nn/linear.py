@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from .delayed import ROLES, AmaxHistory, new_history
 from .functional import lowbit_linear
-from .recipes import Recipe, get_recipe
+from .recipes import DEFAULT_RECIPE, Recipe, get_recipe
 
 
 def check_dims(in_features: int, out_features: int) -> None:
@@ -24,14 +24,14 @@ def check_dims(in_features: int, out_features: int) -> None:
 
 class LowBitLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
-                 recipe: str | Recipe = "fp8", **recipe_overrides):
+                 recipe: str | Recipe = DEFAULT_RECIPE, **recipe_overrides):
         check_dims(in_features, out_features)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = get_recipe(recipe, **recipe_overrides)
         self.reset_amax_history()
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: str | Recipe = "fp8", **recipe_overrides) -> "LowBitLinear":
+    def from_linear(cls, linear: nn.Linear, recipe: str | Recipe = DEFAULT_RECIPE, **recipe_overrides) -> "LowBitLinear":
         """Wrap an existing nn.Linear, sharing its parameter objects (no copy)."""
         check_dims(linear.in_features, linear.out_features)
         m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
@@ -88,7 +88,7 @@ class LowBitLinear(nn.Linear):
 
 # Named per recipe for readable reprs and isinstance checks; the arithmetic is all in the recipe.
 class Fp8Linear(LowBitLinear):
-    def __init__(self, *a, recipe="fp8", **kw):
+    def __init__(self, *a, recipe=DEFAULT_RECIPE, **kw):
         super().__init__(*a, recipe=recipe, **kw)
 
 

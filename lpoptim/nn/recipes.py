@@ -45,7 +45,6 @@ class Recipe:
     dge_cap: float = 3.0           # cap on the DGE derivative
     occ_alpha: float | None = None  # outlier clamping quantile of |x| (None: off)
     occ_sample: int = 1 << 20      # the quantile is estimated on at most this many evenly strided elements
-    native_fp4: bool = False       # fp4_block=32 on sm_100: real FP4 tensor cores (untested, see native_fp4.py)
 
     def __post_init__(self):
         self._register()
@@ -86,14 +85,22 @@ INT4 = Recipe("int4", fwd_fmt="int4_sym", hadamard_block=128, bwd_granularity="t
 INT4_SPLIT = Recipe("int4_split", fwd_fmt="int4_sym", hadamard_block=128, backward="int4split")
 
 RECIPES = {r.name: r for r in (FP8, FP8_TENSOR, FP8_TENSOR_FAST, FP8_DELAYED, FP4, FP4_BLOCK, FP4_FAST, INT4, INT4_SPLIT)}
+# the short names published benchmark commands used; accepted everywhere a recipe name is
+ALIASES = {"fp8t": "fp8_tensor", "fp8tf": "fp8_tensor_fast", "fp8d": "fp8_delayed", "fp4f": "fp4_fast"}
+# the default of convert_linears, LowBitLinear and the docs: the fastest fp8 recipe measured (1.38-1.68x compiled
+# bf16 per layer on an H100) at the quality of torch AdamW in bf16 (README's results table, docs/linear.md)
+DEFAULT_RECIPE = "fp8_delayed"
 
 
 def get_recipe(recipe: str | Recipe, **overrides) -> Recipe:
     if isinstance(recipe, str):
         try:
-            recipe = RECIPES[recipe]
+            recipe = RECIPES[ALIASES.get(recipe, recipe)]
         except KeyError:
-            raise ValueError(f"unknown recipe {recipe!r}; choose one of {sorted(RECIPES)}") from None
+            raise ValueError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}") from None
+    elif not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a recipe name ({', '.join(RECIPES)}) or a Recipe, "
+                        f"got {type(recipe).__name__} {recipe!r}")
     if overrides:
         recipe = recipe.with_(**overrides)
     if recipe.fwd_fmt not in ("e4m3", "e2m1", "int4_sym"):  # the formats nn/functional.py has a Function for

@@ -75,6 +75,8 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, float]:
     ``quantized_bytes_per_param`` is the figure to compare with torch AdamW's 8 (bitsandbytes and torchao
     2.03, COAT 2.19); ``bytes_per_param`` includes the small tensors kept in fp32 and the step counters.
     """
+    if not isinstance(optimizer, torch.optim.Optimizer):  # a model passed by mistake fails here, not deep inside
+        raise TypeError(f"state_bytes takes an optimizer (e.g. lpoptim.AdamW), got {type(optimizer).__name__}")
     total = quant_bytes = quant_params = params = 0
     for group in optimizer.param_groups:
         for p in group["params"]:

@@ -89,7 +89,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits, None
-        return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
     def param_groups(self, weight_decay: float):
         return decay_groups(self, weight_decay)

@@ -1,0 +1,160 @@
+"""The command line and the public API refuse bad input up front, in one line; one recipe vocabulary."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lpoptim
+from lpoptim import __main__ as cli
+from lpoptim.stack import parse_stack
+
+BAD_ARGS = [
+    ["train", "--steps", "0"],
+    ["train", "--steps", "-5"],
+    ["train", "--steps", "x"],
+    ["train", "--runs", "torch,adam"],
+    ["train", "--runs", "lpoptim+bwd"],  # a bench-only part
+    ["train", "--text", "/missing"],
+    ["train", "--device", "tpu"],
+    ["bench", "--batch", "0"],
+    ["bench", "--seq", "-1"],
+    ["bench", "--steps", "0"],
+    ["bench", "--warmup", "0"],
+    ["bench", "--n-layer", "0"],
+    ["bench", "--memory-cap-gib", "-1"],
+    ["bench", "--recipes", "lpoptim+nope"],
+    ["bench", "--recipes", "torch+bwd"],  # step_in_backward needs lpoptim.AdamW
+    ["bench", "--recipes", "lpoptim+fp8+int4"],
+    ["bench", "--device", "tpu"],
+]
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fail the test if any training or benchmarking starts."""
+    from lpoptim import bench
+    from lpoptim.train import loop
+
+    def started(*a, **k):
+        raise AssertionError("work started before the arguments were checked")
+    monkeypatch.setattr(loop, "train", started)
+    monkeypatch.setattr(bench, "run", started)
+
+
+@pytest.mark.parametrize("argv", BAD_ARGS, ids=" ".join)
+def test_bad_argument_is_refused_in_one_line_before_any_work(argv, no_work, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        cli.main([*argv, "--out", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error: argument" in err, err
+
+
+def test_cuda_refused_without_a_gpu(no_work, capsys, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    for cmd in ("train", "bench"):
+        with pytest.raises(SystemExit) as e:
+            cli.main([cmd, "--device", "cuda", "--out", str(tmp_path)])
+        assert e.value.code == 2 and "no CUDA device" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--memory-cap-gib", "79.6", "--out", str(tmp_path)])
+    assert e.value.code == 2
+
+
+def test_version_and_exit_status_through_the_interpreter():
+    out = subprocess.run([sys.executable, "-m", "lpoptim", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == f"lpoptim {lpoptim.__version__}"
+    out = subprocess.run([sys.executable, "-m", "lpoptim", "train", "--steps", "0"], capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "lpoptim train: error: argument --steps: expected a positive integer, got 0"]
+
+
+def test_help_lists_the_recipe_parts(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    out = capsys.readouterr().out
+    for part in ("lpoptim", "bnb", "bf16", "act", "rec", "bwd", "ce", "sacNN", "cg", "fp8_delayed", "int4"):
+        assert part in out, part
+
+
+def test_one_vocabulary_for_train_bench_and_convert_linears():
+    s = parse_stack("lpoptim+bf16+fp8_delayed+act+bwd+ce+sac55")
+    assert (s.optimizer, s.master, s.linears, s.compress, s.in_backward, s.chunked_loss, s.activation_budget) == \
+        ("lpoptim", "bf16", "fp8_delayed", True, True, True, 0.55)
+    assert s.name == "lpoptim+bf16+fp8_delayed+act+bwd+ce+sac55"
+    assert parse_stack("lpoptim+ce+bwd+bf16").name == "lpoptim+bf16+bwd+ce"  # any order, one spelling
+    # published commands' names still parse, to the same stacks
+    assert parse_stack("lpoptim-bf16+fp8tf+bwd+ce+sac55") == parse_stack("lpoptim+bf16+fp8_tensor_fast+bwd+ce+sac55")
+    assert parse_stack("bf16") == parse_stack("torch") and parse_stack("torch-bf16") == parse_stack("torch+bf16")
+    assert cli.train_run(parse_stack("lpoptim+fp8d+act")) == dict(optimizer="lpoptim", recipe="fp8_delayed",
+                                                                 compress=True, master="fp32")
+    m = lpoptim.convert_linears(torch.nn.Sequential(torch.nn.Linear(32, 32)))
+    assert m[0].recipe.name == "fp8_delayed" == lpoptim.nn.recipes.DEFAULT_RECIPE
+    assert lpoptim.convert_linears(torch.nn.Sequential(torch.nn.Linear(32, 32)), "fp8d")[0].recipe.name == "fp8_delayed"
+
+
+def test_api_refuses_wrong_types_up_front():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    with pytest.raises(TypeError, match="recipe must be a recipe name"):
+        lpoptim.convert_linears(model, recipe=8)
+    with pytest.raises(ValueError, match="unknown recipe 'fp9'.*fp8_delayed"):
+        lpoptim.convert_linears(model, recipe="fp9")
+    with pytest.raises(TypeError, match="takes an nn.Module"):
+        lpoptim.convert_linears("model")
+    assert type(model[0]) is torch.nn.Linear  # nothing converted by the failed calls
+    with pytest.raises(TypeError, match="takes an optimizer"):
+        lpoptim.state_bytes(model)
+
+
+def test_train_writes_json_and_png_titled_with_its_data(tmp_path, monkeypatch, capsys):
+    text = tmp_path / "poems.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 40)
+    titles = []
+    plot = cli.plot_curves
+    monkeypatch.setattr(cli, "plot_curves", lambda results, title, path: titles.append(title) or plot(results, title, path))
+    out = tmp_path / "out"
+    assert cli.main(["train", "--steps", "2", "--runs", "torch", "--text", str(text), "--device", "cpu",
+                     "--out", str(out)]) == 0
+    assert (out / "train_loss.png").stat().st_size > 0
+    report = json.loads((out / "train.json").read_text())
+    assert report["text"] == str(text) and report["results"][0]["run"] == "torch"
+    assert titles and "poems.txt" in titles[0] and "tinyshakespeare" not in titles[0]
+    assert "poems.txt" in capsys.readouterr().out
+
+
+def test_train_refuses_a_text_too_short(tmp_path, no_work, capsys):
+    text = tmp_path / "short.txt"
+    text.write_text("hello")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--text", str(text), "--device", "cpu", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "too short" in capsys.readouterr().err
+
+
+def test_a_broken_bench_stack_fails_the_command(tmp_path, monkeypatch, capsys):
+    from lpoptim import bench
+
+    def broken(stack, *a, **k):
+        if stack.compress:
+            raise RuntimeError("kernel exploded")
+        return dict(peak_bytes=0, peak_reserved_bytes=0)
+    monkeypatch.setattr(bench, "run_stack", broken)
+    monkeypatch.setattr(bench, "write", lambda report, out: [])
+    monkeypatch.setattr(bench, "table", lambda report: "\n".join(
+        f"| {r['recipe']} | FAILED: {r['error']} |" for r in report["results"] if "error" in r))
+    code = cli.main(["bench", "--recipes", "lpoptim,lpoptim+act", "--device", "cpu", "--out", str(tmp_path)])
+    cap = capsys.readouterr()
+    assert code == 1
+    assert "FAILED: RuntimeError: kernel exploded" in cap.out and "1 recipe(s) failed: lpoptim+act" in cap.err
+
+
+def test_failed_row_is_marked_in_the_table():
+    from lpoptim import bench
+
+    report = dict(env=dict(gpu=None, torch="t", triton="t"), preset="tiny",
+                  model=dict(n_layer=1, d_model=8, ffn_dim=8, n_head=1, n_kv_head=1, vocab_size=8), batch=1, seq=8,
+                  compile=False, steps=1, warmup=1, peak_measured=False,
+                  results=[dict(recipe="lpoptim+act", error="RuntimeError: boom")])
+    assert "| lpoptim+act | FAILED: RuntimeError: boom |" in bench.table(report)
