@@ -15,7 +15,7 @@ import torch
 import lpoptim
 
 SHAPES = [(4096, 4096)] * 4 + [(11008, 4096)] * 2 + [(4096, 11008)] + [(4096,)] * 2  # one layer
-BUCKET = 128 * 2**20  # step_in_backward's bucket_mb before it became 256 (the figures in docs/results/host/)
+BUCKET = 128 * 2**20  # step_in_backward's bucket_mb before it became 256
 
 
 def main(layers: int = 4):

@@ -18,6 +18,7 @@ import platform
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -194,10 +195,10 @@ def kernel_benchmarks(args, device, dtype, cuda):
 
 
 def quality(args, device, cuda):
-    from lpoptim.nn.quality import train_char_gpt
     from lpoptim.train.data import CharData
+    from lpoptim.train.loop import RunConfig, train
     data = CharData(device=device)
-    kw = dict(steps=args.quality_steps, device=device, data=data)
+    kw = dict(steps=args.quality_steps, device=device)
     if cuda:  # bf16 autocast, as the training it stands for; 4 layers of 256 so the Hadamard block is 128
         kw.update(n_layer=4, n_head=4, n_embd=256, block_size=128, batch_size=32, lr=2e-3, eval_batches=20,
                   autocast_dtype=torch.bfloat16)
@@ -205,7 +206,8 @@ def quality(args, device, cuda):
     for recipe in (None, "fp8", "fp8_delayed", "fp4", "int4"):
         t = time.perf_counter()
         try:
-            out[recipe or "baseline"] = train_char_gpt(recipe, **kw)
+            run = train(RunConfig(recipe=recipe, **kw), data)
+            out[recipe or "baseline"] = {"train": run["train"], "val": run["val"]}
         except Exception as e:
             out[recipe or "baseline"] = {"error": f"{type(e).__name__}: {e}"}
             traceback.print_exc()
@@ -214,7 +216,7 @@ def quality(args, device, cuda):
     return out
 
 
-def summary(layers, qual, kernels):
+def summary(layers, qual, kernels, fallbacks=()):
     lines = []
     by = {(r["shape"], r["variant"]): r.get("ms") for r in layers}
     shapes = list(dict.fromkeys(r["shape"] for r in layers))
@@ -248,8 +250,8 @@ def summary(layers, qual, kernels):
         lines.append("quality (val loss, ratio to baseline; targets fp8 <= 1.01, fp4/int4 <= 1.03): " + ", ".join(
             f"{r} {q['val']:.4f}" + (f" ({q['val'] / b:.4f})" if b and r != "baseline" else "")
             for r, q in qual.items() if "val" in q))
-    if operands.FALLBACKS:
-        lines.append("WARNING: torch._scaled_mm fell back to emulation: " + " | ".join(operands.FALLBACKS))
+    if fallbacks:
+        lines.append("WARNING: torch._scaled_mm fell back to emulation: " + " | ".join(fallbacks))
     return "\n".join(lines)
 
 
@@ -276,16 +278,18 @@ def main(argv=None):
     args.quality_steps = args.quality_steps or (20 if args.small else 1000)
     env = {**environment(), "python": platform.python_version(), "device": device}  # GPU, versions, command
     print(json.dumps(env), flush=True)
-    layers = layer_benchmarks(args, device, dtype, cuda)
-    kernels = [] if args.skip_kernels else kernel_benchmarks(args, device, dtype, cuda)
-    qual = None if args.skip_quality else quality(args, device, cuda)
-    result = {"env": env, "layers": layers, "kernels": kernels, "quality": qual,
-              "scaled_mm_fallbacks": operands.FALLBACKS}
+    with warnings.catch_warnings(record=True) as caught:  # the layers warn when torch._scaled_mm falls back
+        warnings.simplefilter("always")
+        layers = layer_benchmarks(args, device, dtype, cuda)
+        kernels = [] if args.skip_kernels else kernel_benchmarks(args, device, dtype, cuda)
+        qual = None if args.skip_quality else quality(args, device, cuda)
+    fallbacks = sorted({str(w.message) for w in caught if "torch._scaled_mm failed" in str(w.message)})
+    result = {"env": env, "layers": layers, "kernels": kernels, "quality": qual, "scaled_mm_fallbacks": fallbacks}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print()
-    print(summary(layers, qual, kernels))
+    print(summary(layers, qual, kernels, fallbacks))
     print(f"wrote {args.out}")
 
 

@@ -78,6 +78,16 @@ def get_format(name: str | FloatFormat | IntFormat) -> FloatFormat | IntFormat:
         raise ValueError(f"unknown number format {name!r}; choose one of {sorted(FORMATS)}") from None
 
 
+def container_dtype(fmt) -> torch.dtype:
+    """The fp8 dtype that holds ``fmt``'s values exactly (E5M2 for E5M2; E4M3 for E4M3, E2M1 and INT4)."""
+    fmt = get_format(fmt)
+    if fmt is E5M2:
+        return torch.float8_e5m2
+    if isinstance(fmt, IntFormat) and max(fmt.qmax, -fmt.qmin) > 16:
+        raise ValueError(f"{fmt.name} values are not exact in float8_e4m3fn")
+    return torch.float8_e4m3fn
+
+
 def round_half_even(y: torch.Tensor) -> torch.Tensor:
     """Round to the nearest integer, ties to even (torch.round does exactly this)."""
     return torch.round(y)

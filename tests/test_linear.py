@@ -8,7 +8,7 @@ from lpoptim.formats import E2M1, E4M3, round_to_grid
 from lpoptim.nn import LowBitLinear, convert_linears, converted, get_recipe, lowbit_linear
 from lpoptim.nn.fp4 import dge_derivative, occ_split, occ_threshold
 from lpoptim.nn.functional import Fp4LinearFunction
-from lpoptim.nn.hadamard import block_hadamard, hadamard_pm1, pick_block
+from lpoptim.hadamard import block_hadamard, hadamard_pm1, pick_block
 from lpoptim.nn.operands import (Operand, gemm, int8_split_operand, pow2_block_operand, quantize_operand,
                                  split_int8)
 from lpoptim.train.gpt import GPT, GPTConfig

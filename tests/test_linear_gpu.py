@@ -7,7 +7,7 @@ import triton.language as tl
 
 from lpoptim.kernels.grid import div_rn_by
 from lpoptim.nn import LowBitLinear
-from lpoptim.nn.operands import FALLBACKS, gemm, quantize_operand, quantize_operand_ref
+from lpoptim.nn.operands import gemm, quantize_operand, quantize_operand_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -37,15 +37,14 @@ def test_hadamard_kernel_bf16_on_gpu(transposed):
     assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3  # only the summation order differs
 
 
+@pytest.mark.filterwarnings("error:torch._scaled_mm failed")  # no silent fallback to the fp32 emulation
 @pytest.mark.parametrize("fmt", ["e2m1", "int4_sym"])
 def test_scaled_mm_4bit_is_exact(fmt):
     a = quantize_operand(torch.randn(256, 4096, device="cuda"), fmt, "tensor")
     b = quantize_operand(torch.randn(512, 4096, device="cuda"), fmt, "tensor")
-    n = len(FALLBACKS)
     out = gemm(a, b, torch.float32)
-    assert len(FALLBACKS) == n
     ref = (a.values.double() * a.scale.double()) @ (b.values.double() * b.scale.double()).t()
-    # The products of 4-bit values are exact and so is their accumulation (DESIGN.md §2); the fp32 scales and
+    # The products of 4-bit values are exact and so is their accumulation ; the fp32 scales and
     # the fp32 result round, so where terms cancel the error is relative to the sum of |products|, not to the
     # result: measured on an H200 (torch 2.11) 6.4e-9 (e2m1) and 7.1e-9 (int4) of it, about 2^-27.
     mag = (a.values.double().abs() * a.scale.double()) @ (b.values.double().abs() * b.scale.double()).t()
@@ -54,6 +53,7 @@ def test_scaled_mm_4bit_is_exact(fmt):
     assert err < 2.0 ** -18
 
 
+@pytest.mark.filterwarnings("error:torch._scaled_mm failed")
 @pytest.mark.parametrize("recipe", ["fp8", "fp8_tensor", "fp4", "fp4_fast", "int4", "int4_split", "int4/bwd_row"])
 def test_layer_on_gpu_matches_cpu_reference(recipe):
     torch.manual_seed(0)
@@ -63,10 +63,8 @@ def test_layer_on_gpu_matches_cpu_reference(recipe):
     m = LowBitLinear.from_linear(lin, recipe, **overrides)
     x = torch.randn(2, 100, 256, device="cuda", requires_grad=True)
     gy = torch.randn(2, 100, 512, device="cuda")
-    n = len(FALLBACKS)
     y = m(x.to(torch.bfloat16))
     y.backward(gy.to(torch.bfloat16))
-    assert len(FALLBACKS) == n, FALLBACKS
     dx, dw = x.grad.clone(), lin.weight.grad.clone()
     xc = x.detach().to(torch.bfloat16).float().cpu().requires_grad_()  # the same values the GPU layer saw
     mc = LowBitLinear.from_linear(torch.nn.Linear(256, 512), recipe, **overrides)

@@ -5,8 +5,8 @@ One thread: the CI machine has 2 cores shared with other jobs, where OpenMP thre
 import pytest
 import torch
 
-from lpoptim.nn.quality import train_char_gpt
 from lpoptim.train.data import CharData
+from lpoptim.train.loop import RunConfig, train
 
 STEPS, LR = 150, 5e-3
 
@@ -18,7 +18,7 @@ def runs():
     try:
         data = CharData()
         recipes = (None, "fp8", "fp8_tensor", "fp8_delayed", "fp4", "int4")
-        return {r: train_char_gpt(r, steps=STEPS, lr=LR, data=data) for r in recipes}
+        return {r: train(RunConfig(recipe=r, steps=STEPS, lr=LR), data) for r in recipes}
     finally:
         torch.set_num_threads(threads)
 

@@ -117,7 +117,7 @@ def _quant_groups_pow2_kernel(x_ptr, codes_ptr, exp_ptr, total_groups, FMAX: tl.
     y = x * ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None]  # / 2^e, exact
     if ON_GPU:  # the cast rounds to nearest even; +-inf clamped, NaN kept
         q = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL).to(codes_ptr.dtype.element_ty)
-    else:  # the interpreter's cast is wrong on carries and NaN (DESIGN.md section 7)
+    else:  # the interpreter's cast is wrong on carries and NaN
         q = fp8_bits(_round_e4m3(y), True).to(codes_ptr.dtype.element_ty, bitcast=True)
     tl.store(codes_ptr + offs, q, mask=mask)
     tl.store(exp_ptr + gid, (e + 127).to(tl.uint8), mask=gid < total_groups)

@@ -2,7 +2,7 @@
 
 ``kernel[grid](*args, **constexprs)`` binds every argument, works out Triton's specialization and looks the compiled
 kernel up on each call: 28-49 us of host time on H100 hosts (triton 3.6), where the compiled kernel's own
-launcher takes 7-11 (benchmarks/host_costs.py, docs/results/host/host_costs_runs_h100.txt). An eager low-bit linear step makes seven such launches, and at
+launcher takes 7-11 (benchmarks/host_costs.py). An eager low-bit linear step makes seven such launches, and at
 4096 x 4096 its host work was most of the step. ``launcher(kernel)`` keeps, per specialization key of its own, the
 compiled kernel that the first ordinary launch returned, and calls its launcher directly afterwards.
 

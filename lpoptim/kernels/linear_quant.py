@@ -6,21 +6,21 @@ is loaded along x's contiguous dimension and stored transposed into the contiguo
 
 Numerics follow the references exactly: lpoptim.quant.quantize (scale = amax / max, x / scale, both correctly
 rounded: ``div_rn``), lpoptim.formats.round_to_grid (spacing from the fp32 exponent, round half to even, clamp),
-and lpoptim.nn.hadamard.block_hadamard (±1 matrix with fp32 accumulation, then times the fp32 1/√b). With a
+and lpoptim.hadamard.block_hadamard (±1 matrix with fp32 accumulation, then times the fp32 1/√b). With a
 Hadamard block only the summation order differs from torch's matmul.
 """
 from __future__ import annotations
 
 
 import functools
+from types import MappingProxyType
 
 import torch
 import triton
 import triton.language as tl
 
-from ..formats import IntFormat, get_format
-from ..nn.hadamard import hadamard_pm1, inv_sqrt
-from ..nn.operands import container_dtype
+from ..formats import IntFormat, container_dtype, get_format
+from ..hadamard import hadamard_pm1, inv_sqrt
 from ..quant import absmax_scale
 from .grid import absmax_scale as _absmax_scale
 from .grid import div_rn_by, finite_abs, fp8_bits, interpreted, round_to_grid
@@ -95,7 +95,7 @@ def _quantize_tile(t, scale, FMAX: tl.constexpr, IS_INT: tl.constexpr, MAN: tl.c
     q = round_to_grid(y, IS_INT, FMAX, MAN, EMIN, QMIN, QMAX)
     if ON_GPU:
         return q.to(OUT_DTYPE)
-    # the interpreter's cast is wrong on carries and NaN (DESIGN.md section 7): rounded in fp32, NaN by hand
+    # the interpreter's cast is wrong on carries and NaN: rounded in fp32, NaN by hand
     return fp8_bits(q, CONTAINER_E4M3).to(OUT_DTYPE, bitcast=True)
 
 
@@ -143,40 +143,30 @@ def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, tmax_ptr, R
         tl.store(out_ptr + rows[:, None].to(tl.int64) * CP + cols[None, :], q, mask=mask)
 
 
-# Tile shapes: rows per program, columns per tile, warps; "from_max" is the one-pass column quantizer (its rows
-# are x's columns: 64 of them make 128-byte runs of bf16 along x's rows). Measured on an H100 with
-# benchmarks/quant_tune.py (docs/results/console_h100.md): rows 1.19-1.40 TB/s (was 0.95-1.26 with 32 x 128),
-# from_max 1.20-1.86 TB/s.
-TUNING = {"rows": dict(block_r=16, block_c=256, num_warps=4), "from_max": dict(block_r=64, block_c=128, num_warps=4),
-          # per tensor, swept again on the final kernel (quant_tune --modes tensor, docs/results/
-          # quant_tune_tensor_h100.txt): 32 x 256 with 8 warps 1.22 / 1.55 TB/s on 16384 x 4096 / x 11008, the best
-          # on both (32 x 128: 0.88 / 1.50)
-          # (also for the transposed copy alone with current scaling, xᵀ / Wᵀ: a tile of its own won alone but not
-          # in the layers, docs/results/quant_tune_tensor_cols_h100.txt)
-          "tensor": dict(block_r=32, block_c=256, num_warps=8),
-          # with delayed scaling the pass also reduces its tile to one absmax: a narrower tile with 4 warps does
-          # that fastest (quant_tune --modes delayed, docs/results/quant/delayed_tile_tenth_h100.txt: x and xᵀ
-          # 110 / 284 us on 16384 x 4096 / x 11008 against 32 x 256's 116 / 295; xᵀ alone 92 / 212 against
-          # 98 / 218; a plain bf16 copy of x takes 92 / 242: benchmarks/quant_transpose_probe.py)
-          "delayed": dict(block_r=32, block_c=128, num_warps=4),
-          # delayed scaling's second launch (quantizing again where x's absmax is beyond its history): programs
-          # per SM, each looping over tiles, so that the launch that finds nothing to do ends at once. Measured
-          # (quant_tune --modes delayed, docs/results/quant/delayed_quantizer_tune_h100.txt): 113 us with the
-          # history covering x at 1 to 8 a SM; redone, 320 / 249 / 227 / 231 us at 1 / 2 / 4 / 8
-          "redo": dict(per_sm=4),
-          # with a block Hadamard (the tile's columns are one Hadamard block): rows per program for its tl.dot
-          "hadamard": dict(block_r=64, num_warps=8),
-          # rows held whole (quantize_rows without a Hadamard or column maxima, x's rows contiguous, at most
-          # max_width wide padded to a power of two): one read of x instead of two. Swept (quant_tune --modes whole,
-          # docs/results/quant_tune_whole_rows_h100.txt) on 16384 x 4096 bf16: E2M1 0.091 ms against the two-pass
-          # kernel's 0.135, E4M3 0.081 against 0.128 (4096 elements, 8 warps); 11008 wide (padded to 16384, one row
-          # a program) slower (0.49 against 0.33). A version with the Hadamard as one tl.dot over the tile was no
-          # faster for INT4 (0.143 against 0.146 ms at best) and was removed.
-          "whole_rows": dict(enabled=True, max_width=4096, elems=4096, num_warps=8),
-          # the finite absmax pass (per-tensor scales), its running maximum a whole tile: swept (quant_tune --modes
-          # absmax, docs/results/quant_tune_absmax_h100.txt) 16 x 256 with 4 warps is within 4% of the best on both
-          # shapes (2461 / 2787 GB/s on 16384 x 4096 / x 11008; best 2525 / 2894)
-          "absmax": dict(block_r=16, block_c=256, num_warps=4)}
+# Tile shapes: rows per program, columns per tile, warps; each the fastest of a sweep on an H100 (torch 2.11,
+# triton 3.6) over 16384 x 4096 and 16384 x 11008 bf16 inputs. Read-only: a tile is a property of the kernel.
+TUNING = MappingProxyType({k: MappingProxyType(v) for k, v in {
+    # per row: 1.19-1.40 TB/s (0.95-1.26 with 32 x 128)
+    "rows": dict(block_r=16, block_c=256, num_warps=4),
+    # the one-pass column quantizer: its rows are x's columns, 64 of them make 128-byte runs of bf16 along x's rows
+    "from_max": dict(block_r=64, block_c=128, num_warps=4),
+    # per tensor: 1.22 / 1.55 TB/s (32 x 128: 0.88 / 1.50)
+    "tensor": dict(block_r=32, block_c=256, num_warps=8),
+    # delayed scaling: the pass also reduces its tile to one absmax, which a narrower tile with 4 warps does fastest
+    # (x and xᵀ 110 / 284 us against 32 x 256's 116 / 295)
+    "delayed": dict(block_r=32, block_c=128, num_warps=4),
+    # delayed scaling's second launch (quantizing again where x's absmax is beyond its history): programs per SM,
+    # each looping over tiles, so that the launch that finds nothing to do ends at once (redone: 320 / 249 / 227 /
+    # 231 us at 1 / 2 / 4 / 8 a SM)
+    "redo": dict(per_sm=4),
+    # with a block Hadamard (the tile's columns are one Hadamard block): rows per program for its tl.dot
+    "hadamard": dict(block_r=64, num_warps=8),
+    # rows held whole (no Hadamard or column maxima, rows contiguous, at most max_width wide padded to a power of
+    # two): one read of x instead of two; on 16384 x 4096 E2M1 0.091 ms against the two-pass kernel's 0.135, E4M3
+    # 0.081 against 0.128; 11008 wide (padded to 16384) slower, hence max_width
+    "whole_rows": dict(enabled=True, max_width=4096, elems=4096, num_warps=8),
+    # the finite absmax pass (per-tensor scales): within 4% of the best tile on both shapes
+    "absmax": dict(block_r=16, block_c=256, num_warps=4)}.items()})
 
 
 def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block: int | None = None,
@@ -190,7 +180,7 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
     ``tensor_max`` (one int32, zero): per row without a Hadamard, the first pass also leaves x's finite absmax
     there as fp32 bits, what a per-tensor copy of x needs (``.view(torch.float32)``), without a pass of its own.
     (With a Hadamard the rows' maxima are of the mixed values; taking x's own alongside slowed the kernel by more
-    than a separate absmax pass costs: measured on an H100, docs/results/profile_linear_4bit_fused_maxima_h100.txt.)
+    than a separate absmax pass costs, measured on an H100.)
     """
     if (col_max is not None or from_max) and (granularity != "row" or hadamard_block):
         raise ValueError("col_max: per-row scales without a Hadamard block only")
@@ -338,7 +328,7 @@ def _quant_tensor_kernel(x_ptr, amax_ptr, row_ptr, row_scale_ptr, col_ptr, col_s
                             C_FMAX, C_INT, C_MAN, C_EMIN, C_QMIN, C_QMAX, C_NATIVE, C_E4M3, ON_GPU, False)
             if DELAYED and not ROWS:  # the maximum from the tile as the rows' copy loads it (from L1/L2 now): taken
                 # over the transposed tile it was most of int4's per-tensor quantizer time (371 against 199 us a step
-                # at 4096 x 4096, docs/results/profile_linear_ninth_run_a_h100.txt)
+                # at 4096 x 4096, measured on an H100)
                 t = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c,
                             mask=(rows[:, None] < R) & (cols[None, :] < C), other=0.0).to(tl.float32)
                 tile_max = tl.max(tl.max(finite_abs(t), axis=1), axis=0)

@@ -15,8 +15,9 @@ from typing import Optional
 
 import torch
 
+from ..formats import container_dtype
 from .functional import _flat, lowbit_backward, lowbit_forward
-from .operands import Operand, container_dtype, padded
+from .operands import Operand, padded
 from .recipes import BY_KEY, Recipe
 
 def xt_layout(tokens, in_features, r: Recipe) -> tuple:

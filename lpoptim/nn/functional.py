@@ -16,8 +16,7 @@ import torch
 from ..formats import E2M1
 from ..quant import absmax_scale
 from .fp4 import dge_derivative, occ_split, residual_matmul
-from .hadamard import pick_block
-from .native_fp4 import gemm_mxfp4, native_fp4_supported
+from ..hadamard import pick_block
 from .operands import (Operand, gemm, int8_split_operand, pow2_block_operand, pow2_block_scaled,
                        quantize_operand, quantize_operand_and_transpose, quantize_operand_delayed_keep_amax,
                        quantize_operand_keep_col_max, quantize_operand_keep_tensor_max, quantize_transpose_from_max,
@@ -234,9 +233,6 @@ class Fp4LinearFunction(_LowBitLinearFunction):
         resid = None
         if r.occ_alpha is not None:
             x2, resid = occ_split(x2, r.occ_alpha, r.occ_sample)
-        if r.native_fp4 and r.fp4_block == 32 and native_fp4_supported(x2.device):
-            y = gemm_mxfp4(x2, w)
-            return y.to(out_dtype) if resid is None else (y.float() + residual_matmul(resid, w)).to(out_dtype)
         if r.fp4_block:
             xq, wq = pow2_block_operand(x2, r.fp4_block), pow2_block_operand(w, r.fp4_block)
         else:

@@ -15,22 +15,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..formats import E2M1, E4M3, E5M2, FloatFormat, IntFormat, get_format, round_to_grid
+from ..formats import E2M1, E4M3, E5M2, IntFormat, container_dtype, get_format, round_to_grid
 from ..quant import finite_absmax, from_groups, pow2_block_exponent, quantize, tensor_or_row_scale, to_groups
-from .hadamard import block_hadamard
+from ..hadamard import block_hadamard
 
 # Two INT4 halves of an 8-bit integer: q = 16·hi + lo with hi in -7..7, lo in -8..7 (see split_int8).
 INT8_SPLIT = IntFormat("int8_split", -119, 119)
-
-
-def container_dtype(fmt) -> torch.dtype:
-    """The fp8 dtype that holds ``fmt``'s values exactly (E5M2 for E5M2; E4M3 for E4M3, E2M1 and INT4)."""
-    fmt = get_format(fmt) if not isinstance(fmt, (FloatFormat, IntFormat)) else fmt
-    if fmt is E5M2:
-        return torch.float8_e5m2
-    if isinstance(fmt, IntFormat) and max(fmt.qmax, -fmt.qmin) > 16:
-        raise ValueError(f"{fmt.name} values are not exact in float8_e4m3fn")
-    return torch.float8_e4m3fn
 
 
 @dataclass
@@ -68,9 +58,9 @@ def quantize_operand_ref(x: torch.Tensor, fmt, granularity: str = "row", hadamar
 
 def round_for_cast(y: torch.Tensor, fmt) -> torch.Tensor:
     """fp32 ``y`` made ready for the cast to ``fmt``'s container: rounded onto the grid (formats.round_to_grid), or
-    on CUDA for E4M3 / E5M2 only clamped, since there the cast itself rounds to nearest even (as the kernels do,
-    DESIGN.md section 7): the same codes from one cheap element-wise op. Compiled, round_to_grid's bit arithmetic
-    made Inductor's weight casts compute-bound (about a third of the bandwidth; 7B step profile, docs/linear.md)."""
+    on CUDA for E4M3 / E5M2 only clamped, since there the cast itself rounds to nearest even (as the kernels
+    do): the same codes from one cheap element-wise op. Compiled, round_to_grid's bit arithmetic
+    made Inductor's weight casts compute-bound (about a third of the bandwidth in a 7B step profile)."""
     if y.is_cuda and fmt in (E4M3, E5M2):
         return y.clamp(-fmt.max, fmt.max)
     return round_to_grid(y, fmt)
@@ -262,9 +252,6 @@ def int8_split_operand(x: torch.Tensor, hadamard_block: int | None, pad_to: int 
 
 # ---- the GEMM ------------------------------------------------------------------------------------------------
 
-FALLBACKS: list[str] = []  # reasons torch._scaled_mm was not used on CUDA (the benchmark prints them)
-
-
 def _scales(a: Operand, b: Operand):
     sa, sb = a.scale, b.scale.reshape(1, -1) if b.scale.dim() else b.scale
     if sa.dim() != sb.dim():  # row-wise on one side only: the CUDA kernel wants both row-wise
@@ -298,9 +285,7 @@ def gemm(a: Operand, b: Operand, out_dtype: torch.dtype = torch.float32, fast_ac
             return _scaled_mm(a, b, sa, sb, out_dtype, fast_accum)
         except torch.OutOfMemoryError:  # not a missing kernel: the fp32 emulation would need more memory still
             raise
-        except RuntimeError as e:  # keep training correct; the benchmark reports this loudly
-            if len(FALLBACKS) < 8:
-                FALLBACKS.append(str(e).splitlines()[0])
-                warnings.warn(f"torch._scaled_mm failed ({FALLBACKS[-1]}); emulating in fp32", stacklevel=2)
+        except RuntimeError as e:  # keep training correct, and say so (benchmarks/linear.py records these warnings)
+            warnings.warn(f"torch._scaled_mm failed ({str(e).splitlines()[0]}); emulating in fp32", stacklevel=2)
     acc = a.values.float() @ b.values.float().t()
     return (acc * sa * sb).to(out_dtype)
