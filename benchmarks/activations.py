@@ -14,7 +14,7 @@ the wrapped ones). Time: CUDA events around forward+backward after warm-up, medi
 alternated (64 MiB each: larger than L2), random output gradients; "b2b": the same steps queued back to back,
 ms per step (a model of many blocks, whose host runs ahead of the GPU: host work the GPU would wait on in a
 step timed alone is hidden unless the host is the slower). Floor: the block's GEMM and attention FLOPs
-over the dense bf16 (or FP8 for the GEMMs of FP8 variants) rate measured on an H100 in ../shared/DESIGN.md §6.
+over the dense bf16 (or FP8 for the GEMMs of FP8 variants) rate measured on an H100.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from lpoptim.bench import environment  # noqa: E402
 TARGET_SAVED_MIB = 500.0
 TARGET_TIME_RATIO = 1.05  # vs bf16 eager, measured in the same run
 TARGET_FP8_MS = 13.0
-BF16_TFLOPS, FP8_TFLOPS = 770.0, 1300.0  # measured on the H100 (DESIGN.md section 6)
+BF16_TFLOPS, FP8_TFLOPS = 770.0, 1300.0  # dense GEMM rates measured on an H100
 
 
 # ---- a plain-torch Llama decoder block, op for op as transformers' LlamaDecoderLayer (eager, SDPA) ---------
@@ -308,7 +308,7 @@ def main(argv=None):
     try:
         from torchao.float8 import convert_to_float8_training
 
-        def v_torchao():  # torchao's float8 training (tensorwise), compiled: issue 4's off-the-shelf comparison
+        def v_torchao():  # torchao's float8 training (tensorwise), compiled: the off-the-shelf comparison
             blk = convert_to_float8_training(copy.deepcopy(block))
             return torch.compile(blk), blk, None
 

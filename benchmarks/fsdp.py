@@ -13,7 +13,7 @@ fresh model; after --warmup steps (Triton compilation included there), --steps s
 device synchronized around them. Peak memory is torch.cuda.max_memory_allocated over the whole run of that
 optimizer (model, gradients, states, activations, all-gather buffers), the maximum over ranks; tokens/s is per
 GPU (tokens per GPU per step over the mean step time of the slowest rank). --ac checkpoints each block's
-activations. Targets (issue 6): 7B per-GPU peak <= 0.55x torch AdamW's, tokens/s >= 0.95x.
+activations. Targets: 7B per-GPU peak <= 0.55x torch AdamW's, tokens/s >= 0.95x.
 
 Optimizer runs (--optimizers): ``torch`` and ``lpoptim`` as above; ``-bf16`` shards bf16 parameters instead of fp32
 masters (no fp32 copy anywhere; gradients still reduced in fp32, lpoptim rounds the update stochastically);

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lpoptim  # noqa: E402
 from lpoptim.bench import optimizer_state_bytes  # noqa: E402  (one counting rule for every benchmark)
 
-TARGETS_MS = {torch.float32: 7.5, torch.bfloat16: 5.0}  # issue 3, one H100
+TARGETS_MS = {torch.float32: 7.5, torch.bfloat16: 5.0}  # targets on one H100
 
 
 def llama_1b_shapes(small: bool) -> list[tuple[int, ...]]:

@@ -1,6 +1,6 @@
 """lpoptim.AdamW under DDP and FSDP2, and distributed checkpoints (DCP), on the CPU: gloo, 2 processes.
 
-One pipeline runs once per session (a module fixture) and the tests check its parts:
+One pipeline runs once per test module (a module fixture) and the tests check its parts:
 
 1. In this process, no process group: a single-process reference run of STEPS steps that computes each step's
    gradient as DDP/FSDP2 do over 2 ranks (the two half batches backpropagated separately, each loss halved,
@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 import lpoptim
 from lpoptim.optim import distributed as lpdist
 
-STEPS, SAVE_AT, WORLD, BATCH = 13, 3, 2, 16  # 10 steps after the save (issue 6)
+STEPS, SAVE_AT, WORLD, BATCH = 13, 3, 2, 16  # 10 steps after the save
 OPT = dict(lr=1e-2, weight_decay=0.1, min_quant_numel=200, group_size=32)
 
 

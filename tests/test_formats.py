@@ -79,7 +79,7 @@ def in_range_probe(fmt: FloatFormat, gen: torch.Generator) -> torch.Tensor:
     return torch.cat([pos, -pos])
 
 
-# ---- facts of DESIGN.md §2 --------------------------------------------------------------------------------------
+# ---- facts about the formats --------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("fmt, mx, mn, ms", [(E4M3, 448.0, 2**-6, 2**-9), (E5M2, 57344.0, 2**-14, 2**-16),

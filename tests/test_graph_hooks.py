@@ -139,7 +139,7 @@ def test_pack_in_graph_keeps_what_it_should():
 @pytest.mark.parametrize("attention", ["keep", "fp8"])
 def test_compiled_llama_block_packs_in_graph(attention):
     """A compiled Llama block under the wrapper: GEMM inputs per row, SwiGLU's gate and up in groups of 16,
-    attention as asked, gradients within the issue's bound of the unwrapped block."""
+    attention as asked, gradients within the required bound of the unwrapped block."""
     torch._dynamo.reset()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     block, extra = make_block("plain", 128, 352, 4, 64, dev, torch.float32)
