@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import numbers
+from collections import defaultdict
+from itertools import chain
 from typing import Any
 
 import torch
@@ -33,7 +36,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class AdamW(Optimizer):
     """Drop-in for ``torch.optim.AdamW`` whose m and v live in FP8 (about 2.06 bytes per parameter instead of 8).
 
-    Signature and defaults are torch.optim.AdamW's. lpoptim's own keyword options, settable per parameter group:
+    Signature, defaults and argument checks are torch.optim.AdamW's (with its messages); arguments torch would
+    only trip over inside a step (``betas=(0.9,)``, ``lr='1e-3'``) and lpoptim's options are refused up front, the
+    options also by add_param_group and load_state_dict. lpoptim's own keyword options, settable per parameter
+    group:
 
     - ``exp_avg_format`` / ``exp_avg_sq_format``: "e4m3" (default) or "e5m2".
     - ``group_size`` (128): elements per scale, along the last dimension (so FSDP2 shards keep whole groups).
@@ -58,17 +64,41 @@ class AdamW(Optimizer):
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
                  fused: bool | None = None, **lpoptim_options: Any):
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if not 0.0 <= float(lr):
+        # torch.optim.Adam's checks, in its order and with its messages; then what torch leaves to the first step
+        if isinstance(lr, torch.Tensor):
+            if foreach and not capturable:
+                raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+            if lr.numel() != 1:
+                raise ValueError("Tensor lr must be 1-element")
+        else:
+            _check_real("lr", lr)
+        if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr}")
+        _check_real("eps", eps)
         if not 0.0 <= eps:
             raise ValueError(f"Invalid epsilon value: {eps}")
+        if isinstance(betas, (str, bytes, torch.Tensor)) or not hasattr(betas, "__len__") or len(betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
         for i, b in enumerate(betas):
-            if not 0.0 <= float(b) < 1.0:
-                raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+            if isinstance(b, torch.Tensor) and b.numel() != 1:
+                raise ValueError(f"Tensor betas[{i}] must be 1-element")
+            if _is_real(b) or isinstance(b, torch.Tensor):  # other types: torch's message below
+                if not 0.0 <= b < 1.0:
+                    raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+        _check_real("weight_decay", weight_decay)
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if not (all(isinstance(b, float) for b in betas) or all(isinstance(b, torch.Tensor) for b in betas)):
+            raise ValueError("betas must be either both floats or both Tensors")
+        for i, b in enumerate(betas):
+            if isinstance(b, torch.Tensor) and not capturable and foreach:
+                raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and foreach=True")
+        betas = tuple(b.squeeze() if isinstance(b, torch.Tensor) and b.dim() != 0 else b for b in betas)
+        if fused:
+            if differentiable:
+                raise RuntimeError("`fused` does not support `differentiable`")
+            if foreach:
+                raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
         if differentiable:
             raise ValueError("lpoptim.AdamW does not support differentiable=True (its states are quantized)")
         unknown = set(lpoptim_options) - set(LPOPTIM_DEFAULTS)
@@ -77,7 +107,8 @@ class AdamW(Optimizer):
                             f"lpoptim's own options are {sorted(LPOPTIM_DEFAULTS)}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=False, fused=fused,
-                        **{**LPOPTIM_DEFAULTS, **lpoptim_options})
+                        decoupled_weight_decay=True, **{**LPOPTIM_DEFAULTS, **lpoptim_options})
+        _check_group(defaults)  # the options' errors before any parameter is looked at
         super().__init__(params, defaults)
 
     # ---- parameter groups --------------------------------------------------------------------------------
@@ -86,18 +117,21 @@ class AdamW(Optimizer):
         super().add_param_group(param_group)
         self._salt_cache = None
         group = self.param_groups[-1]
-        _check_group(group)
-        for p in group["params"]:
-            if p.is_complex():
-                raise ValueError("lpoptim.AdamW does not support complex parameters (view them as real pairs)")
-            if group["fused"] and _local(p).device.type != "cuda":
-                raise ValueError(f"fused=True needs CUDA parameters (the Triton kernel); got one on {p.device}")
+        try:
+            _check_group(group)
+            _check_params(group)
+        except Exception:
+            self.param_groups.pop()  # a refused group is not half-added
+            raise
 
     def __setstate__(self, state):
         super().__setstate__(state)
         for group in self.param_groups:
-            for k, v in LPOPTIM_DEFAULTS.items():
-                group.setdefault(k, self.defaults.get(k, v))
+            _fill_group(group, self.defaults)
+            for p in group["params"]:  # a step saved as a number (older state dicts), as torch's Adam converts it
+                p_state = self.state.get(p, {})
+                if len(p_state) != 0 and not torch.is_tensor(p_state.get("step", 0.0)):
+                    p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32, device=_local(p).device)
 
     # ---- the step ------------------------------------------------------------------------------------------
 
@@ -222,37 +256,64 @@ class AdamW(Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads lpoptim's own state dicts exactly and torch.optim.AdamW's by quantizing them.
 
-        torch's base class casts floating state to each parameter's dtype; lpoptim restores every state
-        tensor's saved dtype afterwards (scales and fp32 moments must never pass through bf16)."""
-        # torch's base class builds new tensors and never changes the given ones: keep references to them (a deep
-        # copy would double the checkpoint in memory), copy only the small param_groups
-        saved = {"state": state_dict["state"], "param_groups": copy.deepcopy(state_dict["param_groups"])}
-        # torch replaces each group with the saved one: a torch AdamW state dict has none of lpoptim's options,
-        # and those must stay what this optimizer was built with, not fall back to the defaults
-        own_options = [{k: g[k] for k in LPOPTIM_DEFAULTS} for g in self.param_groups]
-        super().load_state_dict(state_dict)
-        for group, options, saved_group in zip(self.param_groups, own_options, saved["param_groups"], strict=True):
-            for k, v in options.items():
-                if k not in saved_group:
-                    group[k] = v
-            _check_group(group)
-        saved_ids = [i for g in saved["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        owner = {id(p): g for g in self.param_groups for p in g["params"]}
-        for pid, p in zip(saved_ids, params, strict=True):
-            if pid not in saved["state"]:
+        torch.optim.Optimizer.load_state_dict's steps and hook semantics: the pre-hooks run first and what they
+        return is what gets loaded; the post-hooks run last and see the final state. Unlike torch's base class,
+        every state tensor keeps its saved dtype (scales and fp32 moments must never pass through bf16), and a
+        group keeps this optimizer's lpoptim options where the saved one has none (a torch AdamW state dict)."""
+        state_dict = state_dict.copy()  # shallow, as torch's
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            hook_result = pre_hook(self, state_dict)
+            if hook_result is not None:
+                state_dict = hook_result
+        state, param_groups = self._loaded_state(state_dict)
+        self.__setstate__({"state": state, "param_groups": param_groups})
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _loaded_state(self, state_dict: dict) -> tuple[defaultdict, list[dict]]:
+        """The state and groups a state dict loads as; nothing of this optimizer changes (a refused state dict
+        leaves it as it was)."""
+        groups = self.param_groups
+        saved_groups = copy.deepcopy(state_dict["param_groups"])  # written into below
+        if len(groups) != len(saved_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups, strict=True)):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
+                             "optimizer's group")
+        id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
+                          chain.from_iterable(g["params"] for g in groups), strict=True))
+        param_groups = []
+        for group, new_group in zip(groups, saved_groups, strict=True):
+            new_group["params"] = group["params"]
+            if "param_names" in group and "param_names" not in new_group:
+                new_group["param_names"] = group["param_names"]
+            for k in LPOPTIM_DEFAULTS:  # a torch AdamW state dict has none of lpoptim's options: this group's stay
+                if k not in new_group:
+                    new_group[k] = group[k]
+            _fill_group(new_group, self.defaults)
+            _check_group(new_group)
+            _check_params(new_group)  # a saved fused=True meets this optimizer's parameters
+            param_groups.append(new_group)
+        owner = {id(p): g for g in param_groups for p in g["params"]}
+        # torch's base class casts each saved tensor to a copy; here the given tensors are only read (a deep copy
+        # of the whole checkpoint would double it in memory)
+        state: defaultdict = defaultdict(dict)
+        for pid, src in state_dict["state"].items():
+            if pid not in id_map:  # state not assigned to a parameter is kept as is, as torch keeps it
+                state[pid] = src
                 continue
+            p = id_map[pid]
             local = _local(p)
-            src = saved["state"][pid]
             layout = StateLayout.for_param(p, owner[id(p)])
             if _dist.is_dtensor(p):  # DTensor states (DCP) or a plain checkpoint's global tensors -> local
                 src = _dist.localize_state(p, src, layout)
             # copies: the loaded state must not share tensors with the given dict (another optimizer's live state)
             # contiguous: the fused kernel indexes states as dense arrays, whatever strides the checkpoint had
-            state = {k: (v.to(device=local.device, copy=True).contiguous() if torch.is_tensor(v) else v)
-                     for k, v in src.items()}
-            state = _convert_state(state, local, layout)
-            self.state[p] = _dist.wrap_state(p, state, layout) if _dist.is_dtensor(p) else state
+            loaded = {k: (v.to(device=local.device, copy=True).contiguous() if torch.is_tensor(v) else v)
+                      for k, v in src.items()}
+            loaded = _convert_state(loaded, local, layout)
+            state[p] = _dist.wrap_state(p, loaded, layout) if _dist.is_dtensor(p) else loaded
+        return state, param_groups
 
     def torch_state_dict(self) -> dict:
         """This optimizer's state as torch.optim.AdamW would hold it (fp32 moments, dequantized)."""
@@ -299,15 +360,67 @@ class _Prepared:
     tensor_key: tuple  # the parameter's (shape, dtype, device) when prepared: a p.data with others re-prepares
 
 
+# the group keys torch.optim.Adam's __setstate__ fills in for state dicts saved before they existed
+_TORCH_GROUP_DEFAULTS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
+                             fused=None)
+
+
+def _fill_group(group: dict, defaults: dict) -> None:
+    """A group from an older state dict (or pickle) completed as torch.optim.AdamW completes it, and with
+    lpoptim's options (this optimizer's defaults) where it has none."""
+    for k, v in _TORCH_GROUP_DEFAULTS.items():
+        group.setdefault(k, v)
+    group["decoupled_weight_decay"] = True  # as torch.optim.AdamW: an Adam state dict loads as AdamW
+    for k, v in LPOPTIM_DEFAULTS.items():
+        group.setdefault(k, defaults.get(k, v))
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_real(name: str, value) -> None:
+    if not _is_real(value):
+        kind = "a float or a 1-element Tensor" if name == "lr" else "a float"
+        raise TypeError(f"{name} must be {kind}, got {value!r}")
+
+
 def _check_group(group: dict) -> None:
+    """lpoptim's own options of a parameter group (and the torch options it cannot honour): at construction,
+    add_param_group and load_state_dict, so a bad value fails there and not inside a step."""
     for name in ("exp_avg_format", "exp_avg_sq_format"):
-        fmt = get_format(group[name])
+        try:
+            fmt = get_format(group[name])
+        except (ValueError, TypeError):
+            fmt = None
         if not isinstance(fmt, FloatFormat) or fmt.dtype is None:
             raise ValueError(f"{name} must be 'e4m3' or 'e5m2', got {group[name]!r}")
-    if not isinstance(group["group_size"], int) or group["group_size"] < 1:
-        raise ValueError(f"group_size must be a positive int, got {group['group_size']!r}")
+    size = group["group_size"]
+    if not isinstance(size, int) or isinstance(size, bool):
+        raise TypeError(f"group_size must be a positive int, got {size!r}")
+    if size < 1:
+        raise ValueError(f"group_size must be a positive int, got {size!r}")
+    numel = group["min_quant_numel"]
+    if not _is_real(numel):
+        raise TypeError(f"min_quant_numel must be a non-negative int (or float('inf')), got {numel!r}")
+    if not numel >= 0:
+        raise ValueError(f"min_quant_numel must be a non-negative int (or float('inf')), got {numel!r}")
+    for name in ("expansion", "sqrt_exp_avg_sq", "bf16_stochastic_round"):
+        if not isinstance(group[name], bool):
+            raise TypeError(f"{name} must be True or False, got {group[name]!r}")
     if group.get("differentiable"):
         raise ValueError("lpoptim.AdamW does not support differentiable=True")
+    if not group.get("decoupled_weight_decay", True):
+        raise ValueError("lpoptim.AdamW always decouples weight decay: decoupled_weight_decay=False "
+                         "(torch.optim.Adam's L2 penalty) is not supported")
+
+
+def _check_params(group: dict) -> None:
+    for p in group["params"]:
+        if p.is_complex():
+            raise ValueError("lpoptim.AdamW does not support complex parameters (view them as real pairs)")
+        if group["fused"] and _local(p).device.type != "cuda":
+            raise ValueError(f"fused=True needs CUDA parameters (the Triton kernel); got one on {p.device}")
 
 
 def _check_state(state: dict, param: torch.Tensor, layout: StateLayout) -> None:
