@@ -7,14 +7,17 @@ ceil(N / G) groups of G elements (the last one short). Sharding along dim 0 (FSD
 shard's groups are exactly the whole tensor's groups for those rows and a checkpoint reshards exactly.
 
 Dynamic range expansion (COAT, arXiv 2410.19313): before quantizing a group, map x -> sign(x)·(|x|/c)^k with
-c = max|x| and k >= 1 chosen so that the group's smallest magnitude lands on the format's smallest subnormal;
-the relative rounding error of most elements is then about 1/k of the format's. k is kept on a grid
-(1 + code/16, an 8-bit code) inside the low mantissa byte of the group's fp32 scale, so a group costs one fp32
-number per moment (2.06 bytes per parameter at G=128, COAT spends three). COAT's faults are avoided: k is
-never below 1 nor unbounded (a constant group gets the largest k, not inf or NaN), the minimum is over non-zero
-finite elements (a zero does not collapse k), and non-finite elements are left out of the group statistics,
-so they never poison their neighbours: NaN is kept as a NaN code, ±inf saturates to the group's largest code
-(v = g² overflowing fp32 then stays finite, where a NaN would spread into the parameter). benchmarks/state_quant_error.py measures the choice.
+c = max|x| and k chosen so that the group's smallest non-zero magnitude lands on the format's smallest normal;
+the relative rounding error of every element is then about 1/k of the format's. Unlike COAT, k may be below 1:
+a group whose range is wider than the format's is compressed, so no non-zero element rounds to zero (for v = g²,
+a zero beside a live m made the update m / eps). k is kept on an 8-bit float grid inside the low mantissa byte
+of the group's fp32 scale, so a group costs one fp32 number per moment (2.06 bytes per parameter at G=128, COAT
+spends three). COAT's faults are avoided: k is never unbounded (a constant group gets the largest k, not inf or
+NaN), the minimum is over non-zero finite elements (a zero does not collapse k), and non-finite elements are left
+out of the group statistics, so they never poison their neighbours: NaN is kept as a NaN code, ±inf saturates to
+the group's largest code (v = g² overflowing fp32 then stays finite, where a NaN would spread into the parameter).
+One limit: an element below 2^-126 of its group's absmax (a range no k spans) decodes only to within 2^-120 of
+that absmax, maybe to 0; the optimizer's decoder bounds what that could do to a step (adam_bound_terms). benchmarks/state_quant_error.py measures the choice.
 """
 from __future__ import annotations
 
@@ -146,52 +149,69 @@ def quantize(x: torch.Tensor, fmt="e4m3", granularity: str = "tensor", group_siz
 
 
 # ---- dynamic range expansion: the optimizer-state codec -----------------------------------------------------
-# k = 1 + code / K_STEPS with an 8-bit code held in the low mantissa byte of the group's fp32 scale: one fp32
-# number per group and moment (2.06 bytes per parameter at G=128), a relative change of c below 2^-15.
+# k is a tiny float held in the low mantissa byte of the group's fp32 scale: k = (1 + mant/32) · 2^e with
+# e in [-4, 3], code = (e + 4) << 5 | mant, so k in [1/16, 15.75] on a grid finer than 1/32 of k everywhere and
+# exact in fp32 (the kernel builds the same bits). One fp32 number per group and moment (2.06 bytes per parameter at
+# G=128). k < 1 *compresses* a group whose range exceeds the format's: its smallest magnitude still lands on the
+# floor instead of rounding to zero. That matters for v = g², which spans twice the range of g: a v that decoded
+# to zero beside a live m made the update m / eps (steps of up to 10^5 x lr on shrinking gradients).
 
 K_BITS = 8
 K_MASK = (1 << K_BITS) - 1
-K_STEPS = 16.0  # k in [1, 1 + 255/16 = 16.9]: finer than the error it buys back
-# k is rounded down onto its grid after adding this slack (in grid steps). A group decoded and encoded again sits
-# exactly on a grid boundary: its decoded amin is the expansion floor mapped back with the grid k it had, so the
-# next exact k equals that grid k, and fp32 rounding (an approximate lg2 on the GPU) would pick it or the one
-# below at random, so the kernel and the reference, or two runs, would drift apart. With the slack the larger one
-# is kept; amin then maps to at least floor * 2^(-17.8/1024) > 0.98 floor, which still rounds to the floor.
-K_SLACK = 1.0 / 64
+K_MANT_BITS = 5
+K_MIN_EXP, K_MAX_EXP = -4, 3
+K_ONE = (0 - K_MIN_EXP) << K_MANT_BITS  # the code of k = 1 (128): no expansion, and what expansion=False writes
+# k is rounded down onto its grid after adding this slack (1/64 of a grid step, in k's fp32 bits). A group decoded
+# and encoded again sits exactly on a grid boundary: its decoded amin is the floor mapped back with the grid k it
+# had, so the next exact k equals that grid k, and fp32 rounding (an approximate lg2 on the GPU) would pick it or
+# the one below at random, so the kernel and the reference, or two runs, would drift apart. With the slack the
+# larger one is kept; amin then maps to at least floor * 2^(-14.8/2048) > 0.99 floor, which still rounds to the floor.
+K_SLACK_BITS = 1 << (23 - K_MANT_BITS - 6)
 
 
-def expansion_floor(fmt: FloatFormat, target: str = "subnormal") -> float:
-    """The value a group's smallest magnitude is expanded down to: the format's smallest subnormal (COAT's
-    choice, the default: measured best on real optimizer states) or its smallest normal."""
+def expansion_floor(fmt: FloatFormat, target: str = "normal") -> float:
+    """The value a group's smallest magnitude is expanded (or compressed) to: the format's smallest normal (the
+    default: every element keeps the format's full relative precision; chosen on the worst-case step ratio and the
+    mean update error, benchmarks/state_quant_error.py) or its smallest subnormal (COAT's choice)."""
     if target not in ("normal", "subnormal"):
         raise ValueError(f"expansion target must be 'normal' or 'subnormal', got {target!r}")
     return fmt.min_normal if target == "normal" else fmt.min_subnormal
 
 
 def choose_k_code(amax: torch.Tensor, amin: torch.Tensor, fmt: FloatFormat, expansion: bool = True,
-                  target: str = "subnormal") -> torch.Tensor:
-    """The 8-bit code of the largest k on the grid with (amin/amax)^k · fmt.max >= the expansion floor (up to
-    K_SLACK).
+                  target: str = "normal") -> torch.Tensor:
+    """The 8-bit code of the largest grid k with (amin/amax)^k · fmt.max >= the expansion floor (up to the slack).
 
-    COAT's k = log(fmt.max / floor) / log(amax / amin), rounded down onto k = 1 + code/16 and clamped to
-    [1, 16.9]: never below 1 (which would shrink the range), never infinite (a constant group gets the largest
-    k, not a NaN), and amin is over non-zero finite elements only (a zero does not collapse k to 0).
+    COAT's k = log(fmt.max / floor) / log(amax / amin), rounded down onto the grid, within [1/16, 15.75]: a
+    constant group gets the largest k (not inf or NaN), a group wider than the format gets k < 1, amin is over
+    non-zero finite elements only (a zero does not collapse k), and a group without such elements gets k = 1.
     """
-    code = torch.zeros(amax.shape, dtype=torch.int32, device=amax.device)
+    one = torch.full(amax.shape, K_ONE, dtype=torch.int32, device=amax.device)
     if not expansion:
-        return code
+        return one
     span = math.log2(fmt.max / expansion_floor(fmt, target))
     valid = (amax > 0) & torch.isfinite(amin)
     # log2(amax) - log2(amin), not log2(amax / amin): the kernel's order (two logs, no division)
     ratio_log2 = (torch.log2(torch.where(valid, amax, torch.ones_like(amax)))
                   - torch.log2(torch.where(valid, amin, torch.ones_like(amin))))
     k = span / ratio_log2.clamp_min(1e-6)  # a constant group: ratio 1, k huge, clamped below
-    code = torch.floor((k - 1.0) * K_STEPS + K_SLACK).clamp(0, K_MASK).to(torch.int32)
-    return torch.where(valid, code, torch.zeros_like(code))
+    bits = k.float().view(torch.int32) + K_SLACK_BITS
+    e = (bits >> 23) - 127
+    code = ((e - K_MIN_EXP) << K_MANT_BITS) | ((bits >> (23 - K_MANT_BITS)) & ((1 << K_MANT_BITS) - 1))
+    code = torch.where(e < K_MIN_EXP, 0, torch.where(e > K_MAX_EXP, K_MASK, code))
+    return torch.where(valid, code, one).to(torch.int32)
 
 
 def k_of(code: torch.Tensor) -> torch.Tensor:
-    return 1.0 + code.float() * (1.0 / K_STEPS)
+    """k from its code, exactly: the fp32 with exponent (code >> 5) - 4 and mantissa's top five bits code & 31."""
+    code = code.to(torch.int32)
+    bits = (((code >> K_MANT_BITS) + (K_MIN_EXP + 127)) << 23) | ((code & ((1 << K_MANT_BITS) - 1)) << (23 - K_MANT_BITS))
+    return bits.view(torch.float32)
+
+
+def legacy_k_of(code: torch.Tensor) -> torch.Tensor:
+    """k of states saved by lpoptim 0.1 (keys exp_avg / exp_avg_sq as uint8 codes): k = 1 + code / 16."""
+    return 1.0 + code.float() * (1.0 / 16)
 
 
 FP32_MIN_NORMAL = 2.0 ** -126
@@ -213,7 +233,7 @@ def unpack_scale(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def expand(t: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     """t ** k for t in [0, 1] (k = 1 is left exact)."""
-    return torch.where(code > 0, torch.exp2(torch.log2(t) * k_of(code)), t)
+    return torch.where(code != K_ONE, torch.exp2(torch.log2(t) * k_of(code)), t)
 
 
 def fma(a: torch.Tensor, b: torch.Tensor, c: float) -> torch.Tensor:
@@ -229,9 +249,11 @@ def expand_to_max(t: torch.Tensor, code: torch.Tensor, fmt: FloatFormat) -> torc
     return torch.exp2(fma(torch.log2(t), k_of(code), log2_max(fmt)))
 
 
-def compress(t: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
-    """t ** (1 / k), the inverse of ``expand``."""
-    return torch.where(code > 0, torch.exp2(torch.log2(t) * (1.0 / k_of(code))), t)
+def compress(t: torch.Tensor, code: torch.Tensor, legacy: bool = False) -> torch.Tensor:
+    """t ** (1 / k), the inverse of ``expand`` (``legacy``: k by legacy_k_of, code 0 meaning k = 1)."""
+    if legacy:
+        return torch.where(code > 0, torch.exp2(torch.log2(t) * (1.0 / legacy_k_of(code))), t)
+    return torch.where(code != K_ONE, torch.exp2(torch.log2(t) * (1.0 / k_of(code))), t)
 
 
 def group_stats(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,7 +277,7 @@ def inv_max(fmt: FloatFormat) -> float:
     return torch.tensor(1.0 / fmt.max, dtype=torch.float32).item()
 
 
-def encode_groups(g: torch.Tensor, fmt: FloatFormat = E4M3, expansion: bool = True, target: str = "subnormal"):
+def encode_groups(g: torch.Tensor, fmt: FloatFormat = E4M3, expansion: bool = True, target: str = "normal"):
     """Groups (R, n, G) fp32 -> (grid values (R, n, G) fp32, scales (R, n) fp32). The padding must be 0."""
     amax, amin = group_stats(g)
     scale = pack_scale(amax, choose_k_code(amax, amin, fmt, expansion, target))
@@ -270,15 +292,16 @@ def encode_groups(g: torch.Tensor, fmt: FloatFormat = E4M3, expansion: bool = Tr
     return torch.where(torch.isnan(g), torch.full_like(q, float("nan")), q), scale
 
 
-def decode_groups(q: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat = E4M3) -> torch.Tensor:
-    """Inverse of ``encode_groups``: grid values (R, n, G) and scales (R, n) -> fp32 groups."""
+def decode_groups(q: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat = E4M3, legacy: bool = False) -> torch.Tensor:
+    """Inverse of ``encode_groups``: grid values (R, n, G) and scales (R, n) -> fp32 groups (``legacy``: scales
+    written by lpoptim 0.1, see legacy_k_of)."""
     c, code = unpack_scale(scale)
-    t = compress(q.abs().float() * inv_max(fmt), code.unsqueeze(-1))  # fp32 times an fp32-exact scalar
+    t = compress(q.abs().float() * inv_max(fmt), code.unsqueeze(-1), legacy)  # fp32 times an fp32-exact scalar
     return torch.copysign(t * c.unsqueeze(-1), q.float())
 
 
 def quantize_state(x: torch.Tensor, fmt: FloatFormat | str = E4M3, group_size: int = 128, expansion: bool = True,
-                   target: str = "subnormal"):
+                   target: str = "normal"):
     """A moment tensor -> (uint8 codes of x's shape: the fp8 bit patterns, fp32 scales (R, groups per row))."""
     fmt = get_format(fmt)
     q, scale = encode_groups(to_groups(x.float(), group_size), fmt, expansion, target)
@@ -287,7 +310,34 @@ def quantize_state(x: torch.Tensor, fmt: FloatFormat | str = E4M3, group_size: i
 
 
 def dequantize_state(codes: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat | str = E4M3,
-                     group_size: int = 128) -> torch.Tensor:
+                     group_size: int = 128, legacy: bool = False) -> torch.Tensor:
     fmt = get_format(fmt)
     q = to_groups(codes.view(fmt.dtype).float(), group_size)
-    return from_groups(decode_groups(q, scale, fmt), codes.shape)
+    return from_groups(decode_groups(q, scale, fmt, legacy), codes.shape)
+
+
+# ---- Adam's own bound on the decoded moments --------------------------------------------------------------------
+
+
+def adam_bound_terms(beta1: float, beta2: float) -> tuple[float, float]:
+    """(r, c) with which 1 / K_n = c / sum_{j<n} r^j (adam_bound_inv).
+
+    After n steps of Adam from zero moments, m_n = (1-b1) sum b1^(n-i) g_i and v_n = (1-b2) sum b2^(n-i) g_i^2,
+    so by Cauchy-Schwarz m_n^2 <= K_n v_n with K_n = (1-b1)^2 / (1-b2) * sum_{j<n} (b1^2/b2)^j, whatever the
+    gradients: |m| / sqrt(v) <= sqrt(K_n) bounds every element's update (about 7.3 lr for betas 0.9 / 0.999). A
+    decoded state that broke it (a v rounded far down beside its m) would step further than Adam ever can, so the
+    decoder raises such a v to m^2 / K_n. The bound survives its own use: moments that meet it at step n meet
+    it at step n + 1 (Cauchy-Schwarz on the two terms of each recursion). beta2 = 0 has no bound: c = 0."""
+    if beta2 <= 0:
+        return 0.0, 0.0
+    return beta1 * beta1 / beta2, (1 - beta2) / (1 - beta1) ** 2
+
+
+def adam_bound_inv(n: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    """1 / K_n (adam_bound_terms) in fp32 for a step count n (fp32 tensor), in the kernel's order; 0 where the
+    series is 0 (no step yet: the moments are 0) or infinite."""
+    r, c = adam_bound_terms(beta1, beta2)
+    n = n.float()
+    r32 = torch.tensor(r, dtype=torch.float32, device=n.device)
+    series = n if r == 1.0 else (1.0 - torch.pow(r32, n)) / (1.0 - r32)
+    return torch.where(series > 0, torch.tensor(c, dtype=torch.float32, device=n.device) / series, torch.zeros_like(n))

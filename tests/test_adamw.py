@@ -1,5 +1,6 @@
 """lpoptim.AdamW as a drop-in for torch.optim.AdamW: API, options, state dicts, trajectories (CPU reference path)."""
 import copy
+import math
 import inspect
 import io
 import subprocess
@@ -10,7 +11,7 @@ import torch
 
 import lpoptim
 from lpoptim.optim.reference import load_moment
-from lpoptim.optim.state import StateLayout
+from lpoptim.optim.state import StateLayout, stored_moment
 
 
 def make_model(seed=0, dtype=torch.float32):
@@ -96,7 +97,7 @@ def test_options_train(opts):
     else:
         assert losses[-1] < 0.75 * losses[0]  # torch AdamW: 0.52 after 30 steps
     if opts.get("amsgrad"):
-        assert all("max_exp_avg_sq" in opt.state[p] for p in model.parameters())
+        assert all(stored_moment(opt.state[p], "max_exp_avg_sq") is not None for p in model.parameters())
 
 
 def test_parameter_groups_schedulers_and_add_param_group():
@@ -295,7 +296,7 @@ def test_state_dict_round_trip_is_exact_and_plain(tmp_path):
     # a process that never imports lpoptim reads the checkpoint with weights_only=True
     code = (f"import torch, sys; sd = torch.load({str(path)!r}, weights_only=True)['opt']; "
             "assert 'lpoptim' not in sys.modules; st = sd['state'][0]; "
-            "assert st['exp_avg'].dtype == torch.uint8 and st['exp_avg_scale'].dtype == torch.float32; print('ok')")
+            "assert st['exp_avg_codes'].dtype == torch.uint8 and st['exp_avg_scale'].dtype == torch.float32; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "ok", out.stderr
 
@@ -322,7 +323,7 @@ def test_switch_from_and_to_torch_adamw():
     o2.load_state_dict(o1.state_dict())  # quantizes torch's fp32 moments
     assert o2.param_groups[0]["min_quant_numel"] == 1024 and o2.param_groups[0]["group_size"] == 64
     st = o2.state[m2[0].weight]
-    assert st["exp_avg"].dtype == torch.uint8
+    assert st["exp_avg_codes"].dtype == torch.uint8
     layout = StateLayout.for_param(m2[0].weight, o2.param_groups[0])
     ref_m = o1.state[m1[0].weight]["exp_avg"]
     assert (load_moment(st, "exp_avg", layout) - ref_m).norm() / ref_m.norm() < 0.03
@@ -359,8 +360,8 @@ def test_parameters_on_different_devices_in_one_optimizer_meta():
     p_cpu.grad = torch.randn(64, 128)
     p_meta.grad = torch.empty(64, 128, device="meta")
     opt.step()
-    assert opt.state[p_cpu]["exp_avg"].device.type == "cpu"
-    assert opt.state[p_meta]["exp_avg"].device.type == "meta"
+    assert opt.state[p_cpu]["exp_avg_codes"].device.type == "cpu"
+    assert opt.state[p_meta]["exp_avg_codes"].device.type == "meta"
     assert opt.state[p_meta]["step"].device.type == "meta"
 
 
@@ -377,7 +378,7 @@ def test_state_moves_between_cuda_and_cpu():
     o_cpu = lpoptim.AdamW(m_cpu.parameters(), lr=1e-2)
     o_cpu.load_state_dict(sd)
     st = o_cpu.state[m_cpu[0].weight]
-    assert st["exp_avg"].device.type == "cpu" and st["exp_avg_scale"].dtype == torch.float32
+    assert st["exp_avg_codes"].device.type == "cpu" and st["exp_avg_scale"].dtype == torch.float32
     o_back = lpoptim.AdamW(m.parameters(), lr=1e-2)
     o_back.load_state_dict(o_cpu.state_dict())
     for k, v in o.state[m[0].weight].items():
@@ -401,9 +402,10 @@ def test_loaded_states_are_contiguous():
     opt.step()
     sd = opt.state_dict()
     st = sd["state"][0]
-    st["exp_avg"] = st["exp_avg"].t().contiguous().t()  # same values, transposed strides
+    st["exp_avg_codes"] = st["exp_avg_codes"].t().contiguous().t()  # same values, transposed strides
     opt.load_state_dict(sd)
-    assert opt.state[w]["exp_avg"].is_contiguous() and torch.equal(opt.state[w]["exp_avg"], st["exp_avg"])
+    assert opt.state[w]["exp_avg_codes"].is_contiguous()
+    assert torch.equal(opt.state[w]["exp_avg_codes"], st["exp_avg_codes"])
 
 
 def test_kernel_declines_empty_tensors():
@@ -430,7 +432,7 @@ def test_cached_preparation_follows_reassigned_data_and_dropped_state():
         opt.step()
     a.data = torch.randn(64, 256)
     a.grad = torch.randn_like(a)
-    old = weakref.ref(opt.state[b]["exp_avg"])
+    old = weakref.ref(opt.state[b]["exp_avg_codes"])
     del opt.state[b]  # b is frozen from now on: its state must be freed
     b.grad = None
     opt.step()
@@ -448,7 +450,7 @@ def test_dropped_state_recreated_empty_is_not_held_for_long():
     opt = lpoptim.AdamW([a, b], lr=1e-3, min_quant_numel=1024)
     a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
     opt.step()
-    old = weakref.ref(opt.state[b]["exp_avg"])
+    old = weakref.ref(opt.state[b]["exp_avg_codes"])
     del opt.state[b]
     assert opt.state[b] == {}  # the read re-creates an empty state: same size as before
     b.grad = None  # frozen from now on
@@ -457,3 +459,56 @@ def test_dropped_state_recreated_empty_is_not_held_for_long():
         opt.step()
     gc.collect()
     assert old() is None
+
+
+def test_torch_adamw_refuses_an_lpoptim_state_dict():
+    """Quantized moments are held as codes under names torch does not use: torch.optim.AdamW fails at its first
+    step (KeyError 'exp_avg') instead of training on uint8 codes as moments. torch_state_dict() is the way."""
+    model = torch.nn.Linear(128, 64)
+    opt = lpoptim.AdamW(model.parameters(), lr=1e-2, min_quant_numel=1024)
+    model(torch.randn(4, 128)).sum().backward()
+    opt.step()
+    t = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    t.load_state_dict(opt.state_dict())
+    with pytest.raises(KeyError, match="exp_avg"):
+        t.step()
+    t = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    t.load_state_dict(opt.torch_state_dict())
+    t.step()  # the documented export works
+    assert t.state[model.weight]["exp_avg"].abs().max() < 10  # codes read as moments would reach 254
+
+
+def test_loads_states_saved_with_the_older_layout():
+    """States saved by lpoptim 0.1 (codes under torch's names, k = 1 + code / 16) load with the same values."""
+    from lpoptim.quant import legacy_k_of, quantize_state
+
+    w = torch.nn.Parameter(torch.randn(16, 256))
+    opt = lpoptim.AdamW([w], lr=1e-2, min_quant_numel=1024)
+    gen = torch.Generator().manual_seed(0)
+    m, v = torch.randn(16, 256, generator=gen) * 1e-3, torch.rand(16, 256, generator=gen) * 1e-6
+    old = {"step": torch.tensor(7.0)}
+    for name, value in (("exp_avg", m), ("exp_avg_sq", v)):
+        # the older encoder, written out: k = 1 + code / 16 >= 1, smallest magnitude onto E4M3's subnormal floor
+        g = value.reshape(16, 2, 128)
+        amax, amin = g.abs().amax(-1), g.abs().amin(-1)
+        code = torch.floor((math.log2(448 / 2 ** -9) / torch.log2(amax / amin) - 1) * 16 + 1 / 64).clamp(0, 255)
+        code = code.to(torch.int32)
+        c = ((amax.view(torch.int32) & ~255) | code).view(torch.float32)
+        f = 448 * (g.abs() / c[..., None]).clamp(max=1) ** legacy_k_of(code)[..., None]
+        q = torch.copysign(f, g).reshape(16, 256).to(torch.float8_e4m3fn)
+        old[name], old[name + "_scale"] = q.view(torch.uint8), c
+        want = torch.copysign((q.float().abs().reshape(16, 2, 128) / 448) ** (1 / legacy_k_of(code)[..., None])
+                              * c[..., None], q.float().reshape(16, 2, 128)).reshape(16, 256)
+        old["want_" + name] = want
+    sd = opt.state_dict()
+    sd["state"] = {0: {k: v for k, v in old.items() if not k.startswith("want_")}}
+    opt.load_state_dict(sd)
+    st = opt.state[w]
+    assert "exp_avg_codes" in st and "exp_avg" not in st  # re-encoded in the current layout
+    layout = StateLayout.for_param(w, opt.param_groups[0])
+    for name in ("exp_avg", "exp_avg_sq"):
+        got, want = load_moment(st, name, layout), old["want_" + name]
+        assert ((got - want).abs() <= 0.07 * want.abs()).all()  # one more E4M3 rounding, nothing lost
+    w.grad = torch.randn_like(w)
+    opt.step()
+    assert torch.isfinite(w).all() and st["step"] == 8

@@ -99,7 +99,7 @@ def test_kernel_grad_scale_and_found_inf_interpreter():
     _compare(*_run("cpu", torch.float32, steps=2, grad_scale=torch.tensor(1024.0), found_inf=torch.tensor(0.0)))
     params, ref_p, states, ref_s, layout = _run("cpu", torch.float32, steps=2, found_inf=torch.tensor(1.0))
     assert all(float(s["step"]) == 0 for s in states)
-    assert all(int(s["exp_avg"].count_nonzero()) == 0 for s in states)
+    assert all(int(s["exp_avg_codes"].count_nonzero()) == 0 for s in states)
     _compare(params, ref_p, states, ref_s, layout)
 
 

@@ -515,8 +515,7 @@ LOW_PRECISION_TOL = dict(atol=5e-3, rtol=5e-3)
     torch.float32,
     torch.bfloat16,
     torch.float16,
-    pytest.param(torch.float64, marks=pytest.mark.xfail(
-        strict=False, reason="lpoptim steps float64 parameters in fp32 arithmetic; float64 parity is pending")),
+    torch.float64,
 ])
 def test_matches_torch(dtype):
     """torch's test_fused_matches_forloop with lpoptim (fp32 states) in the fused optimizer's place, against

@@ -36,7 +36,8 @@ except ImportError:  # pragma: no cover - triton is a dependency, but keep the r
     HAVE_TRITON = False
 
 from ..formats import get_format
-from ..quant import K_MASK, K_SLACK, K_STEPS, expansion_floor, inv_max, log2_max
+from ..quant import (K_MANT_BITS, K_MASK, K_MAX_EXP, K_MIN_EXP, K_ONE, K_SLACK_BITS, adam_bound_terms,
+                     expansion_floor, inv_max, log2_max)
 
 # the address table's columns: param, grad, then (codes, scale) of exp_avg, exp_avg_sq, max_exp_avg_sq, then the
 # step count (fp32, 0-dim; the kernel works out the bias corrections from it)
@@ -76,7 +77,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _k_of(code):
-        return 1.0 + code.to(tl.float32) * (1.0 / K_STEPS_C)
+        """k from its code, exactly (quant.k_of): exponent (code >> 5) - 4, mantissa's top bits code & 31."""
+        bits = (((code >> K_MANT_BITS_C) + K_EXP_BIAS_C) << 23) | ((code & K_MANT_MASK_C) << K_MANT_SHIFT_C)
+        return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
     def _decode(codes_ptr, scale_ptr, offs, mask, gid, gmask, IS_E4M3: tl.constexpr, INV_MAX: tl.constexpr,
@@ -91,7 +94,7 @@ if HAVE_TRITON:
         t = tl.abs(q) * INV_MAX
         code = c.to(tl.int32, bitcast=True) & K_MASK_C
         inv_k = fast_rcp(_k_of(code), ON_GPU)  # once per group
-        t = tl.where(code > 0, fast_exp2(fast_log2(t, ON_GPU) * inv_k, ON_GPU), t)
+        t = tl.where(code != K_ONE_C, fast_exp2(fast_log2(t, ON_GPU) * inv_k, ON_GPU), t)
         return with_sign_of(t * c, q)
 
     @triton.jit
@@ -106,16 +109,19 @@ if HAVE_TRITON:
         finite = finite_abs(x)
         # magnitudes order as their bits do: integer reductions (one redux.sync per warp on the GPU, not shuffles)
         amax = tl.max(finite.to(tl.int32, bitcast=True), axis=1, keep_dims=True).to(tl.float32, bitcast=True)
-        code = tl.zeros_like(amax).to(tl.int32)
-        if EXPANSION:  # k = log2(FMAX / floor) / log2(amax / amin), on a grid of 1/16, clamped to [1, 16.9]
+        code = tl.zeros_like(amax).to(tl.int32) + K_ONE_C
+        if EXPANSION:  # k = log2(FMAX / floor) / log2(amax / amin), rounded down onto k's grid (quant.choose_k_code)
             # the smallest nonzero finite magnitude: bits - 1 as unsigned sends 0 to the top
             below = tl.min(finite.to(tl.uint32, bitcast=True) - 1, axis=1, keep_dims=True)
             amin = (below + 1).to(tl.float32, bitcast=True)  # 0 when the group has no nonzero finite value
             valid = (amax > 0) & (amin > 0)
             span = fast_log2(tl.where(valid, amax, 1.0), ON_GPU) - fast_log2(tl.where(valid, amin, 1.0), ON_GPU)
             k = SPAN_LOG2 / tl.maximum(span, 1e-6)
-            code = tl.minimum(tl.maximum(tl.floor((k - 1.0) * K_STEPS_C + K_SLACK_C), 0.0), K_MASK_C * 1.0).to(tl.int32)
-            code = tl.where(valid, code, 0)
+            bits = k.to(tl.int32, bitcast=True) + K_SLACK_BITS_C
+            e = (bits >> 23) - 127
+            code = ((e - K_MIN_EXP_C) << K_MANT_BITS_C) | ((bits >> K_MANT_SHIFT_C) & K_MANT_MASK_C)
+            code = tl.where(e < K_MIN_EXP_C, 0, tl.where(e > K_MAX_EXP_C, K_MASK_C, code))
+            code = tl.where(valid, code, K_ONE_C)
         c = ((amax.to(tl.int32, bitcast=True) & ~K_MASK_C) | code).to(tl.float32, bitcast=True)
         c = tl.where(amax >= 1.1754943508222875e-38, c, 0.0)  # fp32 subnormal absmax: flushed, as quant.pack_scale
         tl.store(scale_ptr + gid, c, mask=gmask)
@@ -140,7 +146,7 @@ if HAVE_TRITON:
     @triton.jit
     def _adamw_kernel(
         ptrs, dims, blocks, lr_ptr, decay_ptr, grad_scale_ptr, found_inf_ptr, salt_ptr,
-        lr, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
+        lr, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, bound_ratio, bound_coef,
         PARAM_DTYPE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
         M_E4M3: tl.constexpr, M_MAN: tl.constexpr, M_MINEXP: tl.constexpr, M_MAX: tl.constexpr, M_SPAN: tl.constexpr,
         M_INV: tl.constexpr, M_LOG2: tl.constexpr,
@@ -174,6 +180,11 @@ if HAVE_TRITON:
         step = tl.load(_address(row_ptrs, STEP_COLUMN_C, tl.float32, False))
         bias_correction1 = 1.0 - _pow(beta1, step, ON_GPU)
         inv_bc2_sqrt = tl.rsqrt(1.0 - _pow(beta2, step, ON_GPU))  # 1 / sqrt(1 - beta2^t)
+        if QUANT:  # 1 / K of Adam's own bound m^2 <= K v after step - 1 steps (reference.adam_bound_inv)
+            steps_before = step - 1.0
+            series = tl.where(bound_ratio == 1.0, steps_before,
+                              (1.0 - _pow(bound_ratio, steps_before, ON_GPU)) / (1.0 - bound_ratio))
+            inv_bound = tl.where(series > 0, bound_coef / series, 0.0)
         if LR_IS_TENSOR:  # lr and 1 - lr * weight_decay on the device: lr / bc1
             step_size = tl.math.div_rn(tl.load(lr_ptr), bias_correction1)
             decay = tl.load(decay_ptr)
@@ -214,6 +225,8 @@ if HAVE_TRITON:
             v = _decode(v_ptr, vs_ptr, offs, mask, gid, gmask, V_E4M3, V_INV, QUANT, ON_GPU)
             if SQRT_V and QUANT:
                 v = v * v
+            if QUANT:  # a decoded v is never below what Adam's own recursion allows beside the decoded m
+                v = tl.maximum(v, m * m * inv_bound)
             m = m + one_minus_beta1 * (g - m)  # torch's lerp for weights below 0.5
             v = v * beta2 + one_minus_beta2 * g * g
             sqrt_v = tl.sqrt(v)
@@ -244,8 +257,14 @@ if HAVE_TRITON:
 
     N_PTRS_C = tl.constexpr(N_PTRS)
     STEP_COLUMN_C = tl.constexpr(STEP_COLUMN)
-    K_STEPS_C = tl.constexpr(K_STEPS)
-    K_SLACK_C = tl.constexpr(K_SLACK)
+    K_MANT_BITS_C = tl.constexpr(K_MANT_BITS)
+    K_MANT_MASK_C = tl.constexpr((1 << K_MANT_BITS) - 1)
+    K_MANT_SHIFT_C = tl.constexpr(23 - K_MANT_BITS)
+    K_EXP_BIAS_C = tl.constexpr(K_MIN_EXP + 127)
+    K_MIN_EXP_C = tl.constexpr(K_MIN_EXP)
+    K_MAX_EXP_C = tl.constexpr(K_MAX_EXP)
+    K_ONE_C = tl.constexpr(K_ONE)
+    K_SLACK_BITS_C = tl.constexpr(K_SLACK_BITS)
     K_MASK_C = tl.constexpr(K_MASK)
 
 
@@ -264,8 +283,10 @@ class _Plan:
 _plans: collections.OrderedDict = collections.OrderedDict()  # least recently used first
 MAX_PLANS = 4096
 MAX_TABLES = 4  # address tables kept per plan: gradients that alternate between buffers find theirs again
-_STATE_KEYS = ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale", "max_exp_avg_sq", "max_exp_avg_sq_scale",
-               "step")
+# the state's columns of the address table: codes and scales of quantized moments, or fp32 moments (no scales)
+_STATE_KEYS = {True: ("exp_avg_codes", "exp_avg_scale", "exp_avg_sq_codes", "exp_avg_sq_scale", "max_exp_avg_sq_codes",
+                      "max_exp_avg_sq_scale", "step"),
+               False: ("exp_avg", None, "exp_avg_sq", None, "max_exp_avg_sq", None, "step")}
 LAST_LAUNCH = None  # the compiled kernel of the latest launch (its .asm holds PTX/SASS: benchmarks/kernel_sass.py)
 
 # Launch settings, measured with benchmarks/optim_kernel.py on an H100 (torch 2.11, triton 3.6;
@@ -296,7 +317,8 @@ def _tables(batch, layout, block_g: int) -> _Plan:
         plan.dims = _to_device(torch.tensor(dims, dtype=torch.int32), dev)
         plan.blocks = torch.cat(blocks).contiguous()
         plan.n_blocks = plan.blocks.shape[0]
-    addrs = tuple((p.data_ptr(), g.data_ptr(), *[0 if t is None else t.data_ptr() for t in map(s.get, _STATE_KEYS)])
+    keys = _STATE_KEYS[layout.quantized]
+    addrs = tuple((p.data_ptr(), g.data_ptr(), *[0 if t is None else t.data_ptr() for t in map(s.get, keys)])
                   for p, g, s, _l in batch)
     if addrs == plan.addr_key:
         return plan
@@ -393,7 +415,7 @@ def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_de
         grad_scale.to(dev, torch.float32) if grad_scale is not None else dummy,
         found_inf if found_inf is not None else dummy, plan.salts if salts is not None else dummy,
         0.0 if lr_is_tensor else float(lr), 0.0 if lr_is_tensor else float(decay),
-        beta1, 1 - beta1, beta2, 1 - beta2, eps,
+        beta1, 1 - beta1, beta2, 1 - beta2, eps, *adam_bound_terms(beta1, beta2),
         PARAM_DTYPE=_TL_DTYPES[dtype], G=layout.group_size, BLOCK_G=block_g,
         **_format_args(layout.exp_avg_format, "M"), **_format_args(layout.exp_avg_sq_format, "V"),
         QUANT=layout.quantized, EXPANSION=layout.expansion, SQRT_V=layout.sqrt_v, AMSGRAD=amsgrad, MAXIMIZE=maximize,

@@ -15,7 +15,7 @@ from ..formats import FloatFormat, get_format
 from ..quant import num_groups
 from . import distributed as _dist
 from .reference import MOMENTS, load_moment, reference_adamw_step
-from .state import StateLayout, init_state
+from .state import CODES, StateLayout, init_state, stored_moment
 
 LPOPTIM_DEFAULTS = dict(
     exp_avg_format="e4m3",
@@ -226,7 +226,7 @@ class AdamW(Optimizer):
         state = self.state[p]
         if len(state) == 0:
             state.update(self._new_state(p, param, layout, group["amsgrad"]))
-        elif group["amsgrad"] and "max_exp_avg_sq" not in state:
+        elif group["amsgrad"] and stored_moment(state, "max_exp_avg_sq") is None:
             new = self._new_state(p, param, layout, True)
             state.update({k: v for k, v in new.items() if k.startswith("max_")})
         dtensor = _dist.is_dtensor(p)
@@ -329,10 +329,11 @@ class AdamW(Optimizer):
             layout = StateLayout.for_param(p, owner[id(p)])
             out = {"step": st["step"].detach().clone().to("cpu")}
             for name in MOMENTS:
-                if name in st and st[name].numel() == 0:  # an empty shard (uneven FSDP2 sharding)
-                    out[name] = torch.zeros(st[name].shape, dtype=torch.float32, device=st[name].device)
-                elif name in st:
-                    out[name] = load_moment(st, name, layout) if "exp_avg_scale" in st else st[name].float().clone()
+                stored = stored_moment(st, name)
+                if stored is not None and stored.numel() == 0:  # an empty shard (uneven FSDP2 sharding)
+                    out[name] = torch.zeros(stored.shape, dtype=torch.float32, device=stored.device)
+                elif stored is not None:
+                    out[name] = load_moment(st, name, layout) if "exp_avg_scale" in st else stored.float().clone()
             if _dist.is_dtensor(p):  # torch's AdamW holds a DTensor parameter's moments as DTensors
                 out = _dist.wrap_state(p, out, dataclasses.replace(layout, quantized=False))
             out_state[pid] = out
@@ -441,17 +442,22 @@ def _convert_state(state: dict, param: torch.Tensor, layout: StateLayout) -> dic
     step = state.get("step", torch.zeros(()))
     step = torch.as_tensor(step, dtype=torch.float32).reshape(()).to(param.device)
     quantized_in = "exp_avg_scale" in state
-    if quantized_in == layout.quantized:
+    # lpoptim 0.1 kept codes under torch's names (torch's AdamW then loaded them as moments) with another k grid
+    legacy = quantized_in and "exp_avg" + CODES not in state
+    if quantized_in == layout.quantized and not legacy:
         out = dict(state)
         out["step"] = step
-        if not layout.quantized:  # fp32 moments stay fp32 whatever the parameter's dtype
-            out.update({k: state[k].float() for k in MOMENTS if k in state})
+        if not layout.quantized:  # fp32 moments stay fp32 whatever the parameter's dtype (float64 for float64)
+            dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
+            out.update({k: state[k].to(dtype) for k in MOMENTS if k in state})
         return out
     out = {"step": step}
     for name in MOMENTS:
-        if name in state and param.numel() == 0:  # an empty shard (uneven FSDP2 sharding): nothing to convert
-            out.update({k: v for k, v in init_state(param, layout, True).items() if k in (name, name + "_scale")})
-        elif name in state:
+        present = stored_moment(state, name) is not None
+        if present and param.numel() == 0:  # an empty shard (uneven FSDP2 sharding): nothing to convert
+            out.update({k: v for k, v in init_state(param, layout, True).items()
+                        if k in (name, name + CODES, name + "_scale")})
+        elif present:
             source = dataclasses.replace(layout, quantized=quantized_in)
             value = load_moment(state, name, source)
             out.update(encode_moment(name, value.to(param.device), layout))

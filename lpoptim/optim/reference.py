@@ -10,19 +10,30 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import dequantize_state, quantize_state
-from .state import StateLayout
+from ..quant import adam_bound_inv, dequantize_state, quantize_state
+from .state import CODES, StateLayout
 from .stochastic_round import round_bf16_stochastic, sr_key
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
+def compute_dtype(param: torch.Tensor) -> torch.dtype:
+    """What the update is computed in: fp32, or float64 for float64 parameters (whose fp32-layout moments are
+    float64 too, as torch.optim.AdamW keeps them)."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
 def load_moment(state: dict, name: str, layout: StateLayout) -> torch.Tensor:
-    """The moment as fp32: for exp_avg_sq and max_exp_avg_sq this is v (squared back if stored as sqrt v)."""
-    x = state[name]
+    """The moment as fp32 (float64 if so held): for exp_avg_sq and max_exp_avg_sq this is v (squared back if stored
+    as sqrt v).
+    Also reads states saved by lpoptim 0.1 (codes under the moment's own name, the older k grid)."""
     if layout.quantized:
-        x = dequantize_state(x, state[name + "_scale"], layout.format_of(name), layout.group_size)
-    x = x.float()
+        legacy = name + CODES not in state
+        x = dequantize_state(state[name if legacy else name + CODES], state[name + "_scale"], layout.format_of(name),
+                             layout.group_size, legacy=legacy)
+    else:
+        x = state[name]
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
     if layout.quantized and name != "exp_avg" and layout.sqrt_v:
         x = x * x
     return x
@@ -35,7 +46,7 @@ def encode_moment(name: str, value: torch.Tensor, layout: StateLayout) -> dict[s
     if name != "exp_avg" and layout.sqrt_v:
         value = value.sqrt()
     codes, scale = quantize_state(value, layout.format_of(name), layout.group_size, layout.expansion)
-    return {name: codes, name + "_scale": scale}
+    return {name + CODES: codes, name + "_scale": scale}
 
 
 def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, layout: StateLayout, *,
@@ -50,7 +61,8 @@ def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, l
     found_inf is non-zero nothing changes, the step count included. No host synchronisation happens here.
     """
     dev = param.device
-    g = grad.float()
+    acc = compute_dtype(param)
+    g = grad.to(acc)
     if grad_scale is not None:
         g = g / grad_scale.to(dev)
     if maximize:
@@ -58,18 +70,21 @@ def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, l
     step = state["step"] + 1
     if isinstance(lr, torch.Tensor):
         # non-blocking only host -> device: a device -> host copy could be read before it lands
-        lr = lr.to(device=dev, dtype=torch.float32, non_blocking=dev.type == "cuda")
+        lr = lr.to(device=dev, dtype=acc, non_blocking=dev.type == "cuda")
 
-    p = param.float()
-    m = load_moment(state, "exp_avg", layout)
-    v = load_moment(state, "exp_avg_sq", layout)
+    p = param.to(acc)
+    m = load_moment(state, "exp_avg", layout).to(acc)
+    v = load_moment(state, "exp_avg_sq", layout).to(acc)
+    if layout.quantized:  # a decoded v is never below what Adam's own recursion allows beside the decoded m
+        v = torch.maximum(v, m * m * adam_bound_inv(state["step"], beta1, beta2))
     m = m + (1 - beta1) * (g - m)  # torch's lerp, written out so every backend rounds alike
     v = v * beta2 + (1 - beta2) * g * g
     v_used = v
     if amsgrad:
-        v_used = torch.maximum(load_moment(state, "max_exp_avg_sq", layout), v)
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2_sqrt = (1 - beta2 ** step).sqrt()
+        v_used = torch.maximum(load_moment(state, "max_exp_avg_sq", layout).to(acc), v)
+    step_acc = step.to(acc)  # float64 parameters get float64 bias corrections, as torch's Python-float ones
+    bias_correction1 = 1 - beta1 ** step_acc
+    bias_correction2_sqrt = (1 - beta2 ** step_acc).sqrt()
     denom = v_used.sqrt() / bias_correction2_sqrt + eps
     p_new = p * (1 - lr * weight_decay) - (lr / bias_correction1) * (m / denom)
 

@@ -1,11 +1,12 @@
 """How lpoptim.AdamW lays out a parameter's state, and what it costs in memory.
 
 Per parameter with at least ``min_quant_numel`` elements:
-  exp_avg            uint8 codes, the parameter's shape (E4M3 bit patterns of the expanded, scaled m)
+  exp_avg_codes      uint8 codes, the parameter's shape (E4M3 bit patterns of the expanded, scaled m); not torch's
+                     name, so torch.optim.AdamW refuses such a state (KeyError 'exp_avg') rather than train on codes
   exp_avg_scale      fp32 (rows, ceil(N / G)): one number per group of G along the last dimension, the group's
                      absmax with k's 8-bit code in its low mantissa byte (quant.pack_scale)
-  exp_avg_sq[_scale] the same for the second moment (v itself by default; sqrt(v) with sqrt_exp_avg_sq=True)
-  max_exp_avg_sq[_scale]  with amsgrad
+  exp_avg_sq_codes, exp_avg_sq_scale   the same for the second moment (v; sqrt(v) with sqrt_exp_avg_sq=True)
+  max_exp_avg_sq_codes, max_exp_avg_sq_scale   with amsgrad
   step               fp32 0-dim tensor on the parameter's device
 Smaller parameters (norms, biases) keep plain fp32 moments under the same names, as torch.optim.AdamW does.
 Everything is a plain tensor: a checkpoint loads with torch.load(weights_only=True) without lpoptim.
@@ -20,6 +21,15 @@ import torch
 
 from ..formats import FloatFormat, get_format
 from ..quant import num_groups
+
+
+CODES = "_codes"  # a quantized moment's codes are held under its name with this suffix
+
+
+def stored_moment(state: dict, name: str) -> torch.Tensor | None:
+    """The tensor holding moment ``name`` (its codes, or its fp32 values; codes saved by lpoptim 0.1 under the
+    moment's own name too), or None if the state has none."""
+    return state.get(name + CODES, state.get(name))
 
 
 @dataclass(frozen=True)
@@ -62,10 +72,12 @@ def init_state(param: torch.Tensor, layout: StateLayout, amsgrad: bool) -> dict[
     for name in names:
         if layout.quantized:
             # zero codes with zero scales decode to exactly 0
-            state[name] = torch.zeros(param.shape, dtype=torch.uint8, device=dev)
+            state[name + CODES] = torch.zeros(param.shape, dtype=torch.uint8, device=dev)
             state[name + "_scale"] = torch.zeros(num_groups(param.shape, layout.group_size), dtype=torch.float32, device=dev)
         else:
-            state[name] = torch.zeros(param.shape, dtype=torch.float32, device=dev)
+            # fp32 moments, as torch's for bf16/fp16 mixed setups would be; float64 for float64 parameters
+            dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
+            state[name] = torch.zeros(param.shape, dtype=dtype, device=dev)
     return state
 
 
