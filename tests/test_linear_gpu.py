@@ -165,9 +165,9 @@ def test_whole_rows_kernel_matches_the_two_pass_kernel_on_gpu(monkeypatch, fmt, 
     x[3, 5] = 200.0
     width = -(-cols // 128) * 128
     bits = [torch.zeros((), device="cuda", dtype=torch.int32) for _ in range(2)]
-    monkeypatch.setitem(lq.TUNING, "whole_rows", {**lq.TUNING["whole_rows"], "max_width": 16384})
+    monkeypatch.setattr(lq, "TUNING", {**lq.TUNING, "whole_rows": {**lq.TUNING["whole_rows"], "max_width": 16384}})  # TUNING is read-only
     whole = lq.quantize_rows(x, fmt, "row", None, width, tensor_max=bits[0])
-    monkeypatch.setitem(lq.TUNING, "whole_rows", {**lq.TUNING["whole_rows"], "enabled": False})
+    monkeypatch.setattr(lq, "TUNING", {**lq.TUNING, "whole_rows": {**lq.TUNING["whole_rows"], "enabled": False}})  # TUNING is read-only
     two = lq.quantize_rows(x, fmt, "row", None, width, tensor_max=bits[1])
     assert torch.equal(bits[0], bits[1]) and bits[0].view(torch.float32) == 200.0
     assert torch.equal(whole[0].view(torch.uint8), two[0].view(torch.uint8)) and torch.equal(whole[1], two[1])

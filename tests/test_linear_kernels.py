@@ -223,7 +223,7 @@ def test_whole_rows_kernel_matches_the_two_pass_kernel(monkeypatch, fmt, shape):
     used = _launched(monkeypatch)
     whole = lq.quantize_rows(x, fmt, "row", None, cols, tensor_max=bits[0])
     assert used == [lq._quant_whole_rows_kernel]
-    monkeypatch.setitem(lq.TUNING, "whole_rows", {**lq.TUNING["whole_rows"], "enabled": False})
+    monkeypatch.setattr(lq, "TUNING", {**lq.TUNING, "whole_rows": {**lq.TUNING["whole_rows"], "enabled": False}})  # TUNING is read-only
     two = lq.quantize_rows(x, fmt, "row", None, cols, tensor_max=bits[1])
     assert used[1:] == [lq._quant_rows_kernel]
     assert torch.equal(whole[0].view(torch.uint8), two[0].view(torch.uint8)) and torch.equal(whole[1], two[1])
@@ -243,7 +243,7 @@ def test_whole_rows_kernel_on_row_strided_bf16_views(monkeypatch):
     x = big[:, 3:131]
     assert x.stride() == (200, 1)
     whole = lq.quantize_rows(x, "e2m1", "row", None, 128)
-    monkeypatch.setitem(lq.TUNING, "whole_rows", {**lq.TUNING["whole_rows"], "enabled": False})
+    monkeypatch.setattr(lq, "TUNING", {**lq.TUNING, "whole_rows": {**lq.TUNING["whole_rows"], "enabled": False}})  # TUNING is read-only
     two = lq.quantize_rows(x, "e2m1", "row", None, 128)
     assert torch.equal(whole[0].view(torch.uint8), two[0].view(torch.uint8)) and torch.equal(whole[1], two[1])
     ref = quantize_operand_ref(x, "e2m1", "row", None, 128)
