@@ -44,7 +44,6 @@ RECIPES = [  # (label, recipe, overrides)
     ("lpoptim int4 (fp8 bwd per row)", "int4", {"bwd_granularity": "row"}),
     ("lpoptim fp4_fast (no OCC, bwd per tensor)", "fp4_fast", {}),
     ("lpoptim fp4_fast (no OCC, bwd per tensor, delayed scaling)", "fp4_fast", {"scaling": "delayed"}),
-    ("lpoptim int4 (split bwd)", "int4_split", {}),
 ]
 TARGETS = {"fp8": 1.45, "fp4": 1.3, "int4": 1.3}
 H100_PEAK = {"bf16": 989e12, "fp8": 1979e12, "hbm": 3.35e12}  # dense tensor-core peaks, HBM3 bandwidth
@@ -82,25 +81,6 @@ def layer_step(layer, inputs):
         layer.zero_grad(set_to_none=True)
         layer(x).backward(gy)
     return step
-
-
-def warm_layer_steps(shape: str, tokens: int, names: str, compile: bool = False):
-    """(name, step) for each of the comma-separated ``names`` ("bf16", a recipe, or recipe@scaling, e.g.
-    int4@delayed) on one bf16 layer of ``shape`` ("in,out") at ``tokens``, after five warm-up steps: what the
-    profiling scripts (profile_linear, step_gaps, host_costs) time."""
-    from lpoptim.nn import LowBitLinear
-    k, n = (int(v) for v in shape.split(","))
-    base = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-    inputs = make_inputs(tokens, k, n, torch.bfloat16, "cuda")
-    for name in names.split(","):
-        torch._dynamo.reset()
-        recipe, _, scaling = name.partition("@")
-        layer = base if name == "bf16" else LowBitLinear.from_linear(base, recipe,
-                                                                     **({"scaling": scaling} if scaling else {}))
-        step = layer_step(torch.compile(layer) if compile else layer, inputs)
-        for i in range(5):
-            step(i)
-        yield name, step
 
 
 def torchao_float8(base: nn.Linear, recipe: str):

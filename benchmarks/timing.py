@@ -44,34 +44,6 @@ def back_to_back_ms(fn, iters: int) -> float:
     return a.elapsed_time(b) / iters
 
 
-def enqueue_ms(step, n: int = 20) -> tuple[float, float]:
-    """(ms per step the host took to enqueue ``step(i)`` for i < n back to back, ms per step until the GPU had run
-    them): the first is the host's cost; where it is the larger, the host is the limit."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for i in range(n):
-        step(i)
-    host = (time.perf_counter() - t0) * 1e3 / n
-    torch.cuda.synchronize()
-    return host, (time.perf_counter() - t0) * 1e3 / n
-
-
-def host_profile(step, n: int = 20, top: int = 25) -> str:
-    """A cProfile of ``step(i)`` for i < n, the ``top`` functions by their own time: where the host's time goes."""
-    import cProfile
-    import io
-    import pstats
-    pr = cProfile.Profile()
-    pr.enable()
-    for i in range(n):
-        step(i)
-    pr.disable()
-    torch.cuda.synchronize()
-    out = io.StringIO()
-    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(top)
-    return out.getvalue()
-
-
 def profile_steps(step, steps: int = 1):
     """Run ``step(i)`` for i < ``steps`` under torch.profiler (CPU and CUDA). Returns (wall ms per step, GPU kernel
     ms per step, the profiler's key_averages()); the wall time includes the profiler's own host cost."""
@@ -96,11 +68,3 @@ def kernel_events(events):
     queue, listed as a device event: not a kernel."""
     return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total
             and "command buffer full" not in e.key.lower()]
-
-
-def print_environment() -> None:
-    """The first line of every benchmark's output: GPU, versions and the command (lpoptim.bench.environment)."""
-    import json
-
-    from lpoptim.bench import environment
-    print(json.dumps(environment()), flush=True)
