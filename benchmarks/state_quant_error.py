@@ -17,11 +17,9 @@ shrinking, spiking, heavy-tailed, outliers, zeros, groups spanning 1e4 / 1e8, ex
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import math
 import sys
-import sysconfig
 from pathlib import Path
 
 import torch
@@ -30,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lpoptim.bench import environment  # noqa: E402
 from lpoptim import quant  # noqa: E402
 from lpoptim.formats import E4M3, E5M2, round_to_grid  # noqa: E402
-from lpoptim.train.data import CharData  # noqa: E402
+from lpoptim.train.data import CharData, python_stdlib_text  # noqa: E402
 from lpoptim.train.gpt import GPT, GPTConfig  # noqa: E402
 
 EPS = 1e-8
@@ -124,20 +122,6 @@ def synthetic_streams(seed=0, shape=(32, 256)):
     }
 
 
-def stdlib_text(path: Path, limit: int = 1_500_000) -> Path:
-    """The Python standard library's own source, concatenated: a second real text on every machine."""
-    if not path.exists():
-        parts, size = [], 0
-        for f in sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/*.py")):
-            parts.append(Path(f).read_text(encoding="utf-8", errors="replace"))
-            size += len(parts[-1])
-            if size > limit:
-                break
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(parts)[:limit], encoding="utf-8")
-    return path
-
-
 def record_streams(text, steps, seed=0):
     """Every matrix's gradient at every step of a small GPT trained with torch AdamW on ``text``."""
     torch.manual_seed(seed)
@@ -166,7 +150,7 @@ def main(argv=None):
     if args.steps < 1:
         ap.error("--steps must be at least 1")
     print(json.dumps(environment()), flush=True)
-    texts = {"tinyshakespeare": None, "python stdlib": stdlib_text(Path(args.out).parent / "python_stdlib.txt")}
+    texts = {"tinyshakespeare": None, "python stdlib": python_stdlib_text(Path(args.out).parent / "python_stdlib.txt")}
     real = {name: record_streams(path, args.steps) for name, path in texts.items()}
     synthetic = synthetic_streams()
     rows = []

@@ -28,6 +28,7 @@ import torch
 
 from . import __version__
 from .stack import Stack, parse_stack, vocabulary
+from .train.data import PYTHON_STDLIB
 
 PRESETS = {
     # about a minute on 2 CPU cores
@@ -88,7 +89,9 @@ def train_runs(text: str) -> list[tuple[str, dict]]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def existing_file(text: str) -> Path:
+def existing_file(text: str) -> Path | str:
+    if text == PYTHON_STDLIB:  # built where the results go, once the output folder is known
+        return text
     path = Path(text)
     if not path.is_file():
         raise argparse.ArgumentTypeError(f"no such file: {text}")
@@ -150,7 +153,7 @@ def plot_curves(results: list[dict], title: str, path: Path) -> None:
 
 def cmd_train(ap: Parser, args) -> int:
     from .bench import environment
-    from .train.data import CharData, bundled_text_path
+    from .train.data import CharData, bundled_text_path, python_stdlib_text
     from .train.loop import RunConfig, train
 
     device = resolve_device(ap, args.device)
@@ -159,6 +162,8 @@ def cmd_train(ap: Parser, args) -> int:
         preset["steps"] = args.steps
         preset["eval_every"] = max(1, args.steps // 5)
     text = args.text or bundled_text_path()
+    if text == PYTHON_STDLIB:
+        text = python_stdlib_text(Path(args.out) / "python_stdlib.txt")
     try:
         data = CharData(text, device=device)
     except (OSError, UnicodeDecodeError) as e:
@@ -231,7 +236,8 @@ def parser() -> Parser:
                    help="comma-separated runs (default: torch,lpoptim); the first is the baseline")
     t.add_argument("--preset", choices=sorted(PRESETS), help="model size and schedule (default: tiny on CPU, shakespeare on GPU)")
     t.add_argument("--steps", type=positive_int, help="override the preset's number of steps")
-    t.add_argument("--text", type=existing_file, help="a text file (default: the bundled tinyshakespeare)")
+    t.add_argument("--text", type=existing_file, help="a text file (default: the bundled tinyshakespeare), or python-stdlib: the Python standard "
+                   "library's own source, a second real text every machine has")
     t.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", default="results", help="folder for train.json and train_loss.png (default: results)")

@@ -320,7 +320,7 @@ def dequantize_state(codes: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat 
 
 
 def adam_bound_terms(beta1: float, beta2: float) -> tuple[float, float]:
-    """(r, c) with which 1 / K_n = c / sum_{j<n} r^j (adam_bound_inv).
+    """(r, c) with which 1 / K_n = c / sum_{j<n} r^j = c (1 - r) / (1 - r^n) (adam_bound_inv).
 
     After n steps of Adam from zero moments, m_n = (1-b1) sum b1^(n-i) g_i and v_n = (1-b2) sum b2^(n-i) g_i^2,
     so by Cauchy-Schwarz m_n^2 <= K_n v_n with K_n = (1-b1)^2 / (1-b2) * sum_{j<n} (b1^2/b2)^j, whatever the
@@ -334,10 +334,14 @@ def adam_bound_terms(beta1: float, beta2: float) -> tuple[float, float]:
 
 
 def adam_bound_inv(n: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
-    """1 / K_n (adam_bound_terms) in fp32 for a step count n (fp32 tensor), in the kernel's order; 0 where the
-    series is 0 (no step yet: the moments are 0) or infinite."""
+    """1 / K_n (adam_bound_terms) in fp32 for a step count n (fp32 tensor), in the kernel's order (r^n as
+    2^(n log2 r): one exp2, log2 r from the host); 0 where the series is 0 (no step yet: the moments are 0) or
+    infinite. A safety bound, not an update: an ulp here or there moves nothing that matters."""
     r, c = adam_bound_terms(beta1, beta2)
     n = n.float()
-    r32 = torch.tensor(r, dtype=torch.float32, device=n.device)
-    series = n if r == 1.0 else (1.0 - torch.pow(r32, n)) / (1.0 - r32)
+    if r == 1.0:
+        series = n
+    else:
+        log2_r = torch.tensor(math.log2(r) if r > 0 else -math.inf, dtype=torch.float32, device=n.device)
+        series = (1.0 - torch.exp2(n * log2_r)) / (1.0 - torch.tensor(r, dtype=torch.float32, device=n.device))
     return torch.where(series > 0, torch.tensor(c, dtype=torch.float32, device=n.device) / series, torch.zeros_like(n))

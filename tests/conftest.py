@@ -18,14 +18,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def interpreter_friendly_tiles():
+def interpreter_friendly_tiles(monkeypatch):
     """The fused AdamW kernel's launch settings for the interpreter, which pays per program: on the CPU a few
-    large tiles (the GPU keeps its tuned ones); restored afterwards."""
+    large tiles (the GPU keeps its tuned ones); the module's own settings are left as they are."""
     from lpoptim.kernels import adamw_step as kernel
 
-    saved = dict(kernel.TUNING)
     if not torch.cuda.is_available():
-        kernel.TUNING.update(block_groups=16, num_warps=4, loop=1)
+        monkeypatch.setattr(kernel, "TUNING", {**kernel.TUNING, "block_groups": 16, "num_warps": 4, "loop": 1})
     yield
-    kernel.TUNING.clear()
-    kernel.TUNING.update(saved)

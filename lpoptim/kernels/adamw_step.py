@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+from types import MappingProxyType
 
 import torch
 
@@ -146,7 +147,7 @@ if HAVE_TRITON:
     @triton.jit
     def _adamw_kernel(
         ptrs, dims, blocks, lr_ptr, decay_ptr, grad_scale_ptr, found_inf_ptr, salt_ptr,
-        lr, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, bound_ratio, bound_coef,
+        lr, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, bound_ratio, bound_log2_ratio, bound_coef,
         PARAM_DTYPE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
         M_E4M3: tl.constexpr, M_MAN: tl.constexpr, M_MINEXP: tl.constexpr, M_MAX: tl.constexpr, M_SPAN: tl.constexpr,
         M_INV: tl.constexpr, M_LOG2: tl.constexpr,
@@ -181,9 +182,9 @@ if HAVE_TRITON:
         bias_correction1 = 1.0 - _pow(beta1, step, ON_GPU)
         inv_bc2_sqrt = tl.rsqrt(1.0 - _pow(beta2, step, ON_GPU))  # 1 / sqrt(1 - beta2^t)
         if QUANT:  # 1 / K of Adam's own bound m^2 <= K v after step - 1 steps (reference.adam_bound_inv)
-            steps_before = step - 1.0
+            steps_before = step - 1.0  # r^n as 2^(n log2 r): one ex2, not a powf
             series = tl.where(bound_ratio == 1.0, steps_before,
-                              (1.0 - _pow(bound_ratio, steps_before, ON_GPU)) / (1.0 - bound_ratio))
+                              (1.0 - fast_exp2(steps_before * bound_log2_ratio, ON_GPU)) / (1.0 - bound_ratio))
             inv_bound = tl.where(series > 0, bound_coef / series, 0.0)
         if LR_IS_TENSOR:  # lr and 1 - lr * weight_decay on the device: lr / bc1
             step_size = tl.math.div_rn(tl.load(lr_ptr), bias_correction1)
@@ -287,12 +288,11 @@ MAX_TABLES = 4  # address tables kept per plan: gradients that alternate between
 _STATE_KEYS = {True: ("exp_avg_codes", "exp_avg_scale", "exp_avg_sq_codes", "exp_avg_sq_scale", "max_exp_avg_sq_codes",
                       "max_exp_avg_sq_scale", "step"),
                False: ("exp_avg", None, "exp_avg_sq", None, "max_exp_avg_sq", None, "step")}
-LAST_LAUNCH = None  # the compiled kernel of the latest launch (its .asm holds PTX/SASS: benchmarks/kernel_sass.py)
 
-# Launch settings, measured with benchmarks/optim_kernel.py on an H100 (torch 2.11, triton 3.6;
-# docs/results/console_h100.md): fp32 7.6-8.1 ms, bf16 5.3-5.6 ms for 1.24 B parameters, host part included, on two
-# hosts (1 group per tile: 8.1-8.2 / 6.0-6.5). Groups per tile, warps per program, tiles per program.
-TUNING = dict(block_groups=2, num_warps=1, loop=8)
+# Launch settings, the best of a sweep on an H100 (torch 2.11, triton 3.6; docs/results/console_h100.md): fp32
+# 7.6-8.1 ms, bf16 5.3-5.6 ms for 1.24 B parameters, host part included, on two hosts (1 group per tile: 8.1-8.2 /
+# 6.0-6.5). Groups per tile, warps per program, tiles per program. Read-only: tests swap in their own.
+TUNING = MappingProxyType(dict(block_groups=2, num_warps=1, loop=8))
 
 
 def _tables(batch, layout, block_g: int) -> _Plan:
@@ -392,6 +392,13 @@ def fused_adamw_step(batch, *, lr, beta1, beta2, eps, weight_decay, amsgrad, max
                 amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf, salts=salts)
 
 
+@functools.cache
+def _bound_args(beta1: float, beta2: float) -> tuple[float, float, float]:
+    """(r, log2 r, c) of Adam's bound on the decoded moments (quant.adam_bound_terms, adam_bound_inv)."""
+    r, c = adam_bound_terms(beta1, beta2)
+    return r, (math.log2(r) if r > 0 else -math.inf), c
+
+
 def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, grad_scale,
             found_inf, salts):
     block_g, loop = TUNING["block_groups"], TUNING["loop"]
@@ -406,16 +413,15 @@ def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_de
     lr_t = lr.to(dev, torch.float32, non_blocking=True).reshape(1) if lr_is_tensor else None  # no host block
     decay = (1 - lr_t * weight_decay).contiguous() if lr_is_tensor else 1 - lr * weight_decay
     dummy = plan.dims
-    global LAST_LAUNCH
     if salts is not None and plan.salts_key != salts:  # copied once per batch of parameters, not every step
         plan.salts = _to_device(torch.tensor(salts, dtype=torch.int32), dev)
         plan.salts_key = salts
-    LAST_LAUNCH = _adamw_kernel[(plan.n_blocks,)](
+    _adamw_kernel[(plan.n_blocks,)](
         plan.ptrs, plan.dims, plan.blocks, lr_t if lr_is_tensor else dummy, decay if lr_is_tensor else dummy,
         grad_scale.to(dev, torch.float32) if grad_scale is not None else dummy,
         found_inf if found_inf is not None else dummy, plan.salts if salts is not None else dummy,
         0.0 if lr_is_tensor else float(lr), 0.0 if lr_is_tensor else float(decay),
-        beta1, 1 - beta1, beta2, 1 - beta2, eps, *adam_bound_terms(beta1, beta2),
+        beta1, 1 - beta1, beta2, 1 - beta2, eps, *_bound_args(beta1, beta2),
         PARAM_DTYPE=_TL_DTYPES[dtype], G=layout.group_size, BLOCK_G=block_g,
         **_format_args(layout.exp_avg_format, "M"), **_format_args(layout.exp_avg_sq_format, "V"),
         QUANT=layout.quantized, EXPANSION=layout.expansion, SQRT_V=layout.sqrt_v, AMSGRAD=amsgrad, MAXIMIZE=maximize,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from importlib import resources
+import sysconfig
 from pathlib import Path
 
 import torch
@@ -9,6 +10,25 @@ import torch
 
 def bundled_text_path() -> Path:
     return Path(str(resources.files("lpoptim") / "data" / "tinyshakespeare.txt"))
+
+
+PYTHON_STDLIB = "python-stdlib"
+
+
+def python_stdlib_text(path: str | Path, limit: int = 1_500_000) -> Path:
+    """A second real text on every machine, unrelated to the bundled one: the Python standard library's own
+    source (its top-level modules in name order, cut at ``limit`` characters), written to ``path`` once."""
+    path = Path(path)
+    if not path.exists():
+        parts, size = [], 0
+        for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+            parts.append(f.read_text(encoding="utf-8", errors="replace"))
+            size += len(parts[-1])
+            if size > limit:
+                break
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(parts)[:limit], encoding="utf-8")
+    return path
 
 
 class CharData:
