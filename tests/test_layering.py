@@ -1,4 +1,5 @@
-"""lpoptim/kernels/ sits below lpoptim/nn/: kernels never import the layers that use them."""
+"""Layering and configuration: lpoptim/kernels/ sits below lpoptim/nn/ (kernels never import the layers that use
+them), and lpoptim has no environment variables of its own."""
 import ast
 from pathlib import Path
 
@@ -13,3 +14,21 @@ def test_kernels_do_not_import_nn():
                 assert not (name.startswith("..nn") or name.startswith("lpoptim.nn")), f"{path.name}: {name}"
             elif isinstance(node, ast.Import):
                 assert not any(a.name.startswith("lpoptim.nn") for a in node.names), path.name
+
+
+def test_no_environment_switches():
+    """lpoptim is configured by arguments, not environment variables: the one it reads is Triton's own
+    TRITON_INTERPRET (kernels/grid.py: whether kernels run under the interpreter), and no module reads one at import."""
+    reads = []
+    for path in sorted(KERNELS.parent.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb", "putenv"):
+                reads.append(path.relative_to(KERNELS.parent).as_posix())
+        for stmt in tree.body:  # module level: reads that would happen at import
+            for node in ast.walk(stmt):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                    break
+                assert not (isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv")), \
+                    f"{path.name} reads the environment at import"
+    assert reads == ["kernels/grid.py"], reads

@@ -4,12 +4,10 @@ Groups of E4M3 that tile the rows (a power-of-two size dividing the last dim: th
 widths) take power-of-two scales held as one byte each (encode_pow2 / decode_pow2, which the compiled graphs'
 packing uses too). Other cases keep fp32 scales with ``lpoptim.quant.quantize``'s numbers (absmax scaling, round to
 nearest even onto the E4M3 grid). On the CPU the torch references run; on CUDA fused Triton kernels in
-``lpoptim/kernels/act_quant.py`` compute the same bits in one pass. ``LPOPTIM_ACT_BACKEND=torch`` forces the
-references everywhere.
+``lpoptim/kernels/act_quant.py`` compute the same bits in one pass.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -153,13 +151,9 @@ def _kernels():
     return _ACT_QUANT
 
 
-# read once: an environment lookup costs more than the rest of the test, and it runs for every pack and unpack
-_FORCE_TORCH = os.environ.get("LPOPTIM_ACT_BACKEND", "triton") == "torch"
-
-
 def _use_triton(t: torch.Tensor, fmt: FloatFormat) -> bool:
     """The Triton kernels handle E4M3 on CUDA (by dtype, not identity: a copied policy has an equal format)."""
-    return t.is_cuda and fmt.dtype is torch.float8_e4m3fn and not _FORCE_TORCH
+    return t.is_cuda and fmt.dtype is torch.float8_e4m3fn
 
 
 # ---- power-of-two scales held as one byte (the biased exponent, as E8M0) -----------------------------------------
