@@ -102,7 +102,7 @@ def test_e2m1_grid_and_int_ranges():
     assert E2M1.grid().tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
     assert (INT4.qmin, INT4.qmax, INT4.max) == (-8, 7, 7.0)
     assert (INT4_SYM.qmin, INT4_SYM.qmax) == (-7, 7)
-    # DESIGN §2: every E2M1 value and every integer in -8..7 is exact in E4M3
+    # every E2M1 value and every integer in -8..7 is exact in E4M3: 4-bit operands are held in fp8 (docs/linear.md)
     vals = torch.cat([signed_grid(E2M1), signed_grid(INT4)]).float()
     assert torch.equal(vals.to(torch.float8_e4m3fn).float(), vals)
     assert torch.equal(round_to_grid(vals, E4M3), vals)
