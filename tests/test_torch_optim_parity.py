@@ -332,19 +332,23 @@ def scheduler_sets(with_lrsched):
     return [[lambda o: StepLR(o, gamma=0.9, step_size=10), lambda o: ReduceLROnPlateau(o)]] if with_lrsched else [[]]
 
 
+def make_closure(opt, weight, bias, inpt):
+    """torch's test closure: zero the gradients, the loss |W x + b|^2, backward."""
+    def closure():
+        opt.zero_grad()
+        loss = (weight.mv(inpt) + bias).pow(2).sum()
+        loss.backward()
+        return loss
+    return closure
+
+
 def run_forloop(opt_factory, contiguous, schedulers_c, seed):
     torch.manual_seed(seed)
     weight, bias = weight_bias(contiguous)
     inpt = torch.randn(5)
     opt = opt_factory([weight, bias])
     scheds = [s(opt) for s in schedulers_c]
-
-    def closure():
-        opt.zero_grad()
-        loss = (weight.mv(inpt) + bias).pow(2).sum()
-        loss.backward()
-        return loss
-
+    closure = make_closure(opt, weight, bias, inpt)
     initial = closure().item()
     for _ in range(20):
         loss = closure()
@@ -382,13 +386,7 @@ def test_param_group_with_lrscheduler_goes_right_direction(mode):
         inpt = torch.randn(5)
         opt = lpoptim.AdamW([{"params": [weight]}, {"params": [bias], "lr": 0.01}], **MODES[mode])
         scheds = [s(opt) for s in schedulers_c]
-
-        def closure():
-            opt.zero_grad()
-            loss = (weight.mv(inpt) + bias).pow(2).sum()
-            loss.backward()
-            return loss
-
+        closure = make_closure(opt, weight, bias, inpt)
         initial = closure().item()
         for _ in range(20):
             loss = opt.step(closure)
