@@ -1,6 +1,7 @@
 """The optimizer step fused into backward: each parameter is updated, and its gradient freed, as soon as the
 gradient is accumulated. At batch 1 the peak of training is the optimizer step (parameters + gradients +
-states, DESIGN.md §6); updating in backward means the whole set of gradients never exists at once.
+states, measured on one H100 at 1 × 2048 tokens); updating in backward means the whole set of gradients never
+exists at once.
 
     handle = lpoptim.step_in_backward(opt)    # then: loss.backward() is the whole step; no opt.step()
     handle.remove()                           # back to the usual opt.step()
