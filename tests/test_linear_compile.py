@@ -5,7 +5,7 @@ import torch
 from lpoptim.nn import LowBitLinear
 from lpoptim.nn.compiled import _forward_op, lowbit_linear_op
 
-RECIPES = ["fp8", "fp8_tensor", "fp4", "int4", "int4_split"]
+RECIPES = ["fp8", "fp8_tensor", "fp4", "fp4_fast", "int4"]
 
 
 def _grads(run, lin, x):
@@ -41,7 +41,7 @@ def test_fake_implementations_match_the_real_ops(recipe):
         torch.library.opcheck(_forward_op, args, test_utils=("test_faketensor", "test_autograd_registration"))
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "fp8_tensor", "int4_split"])
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_tensor", "int4"])
 def test_compiled_layer_matches_eager_without_graph_breaks(recipe):
     torch._dynamo.reset()
     lin, m, x = _layer(recipe)

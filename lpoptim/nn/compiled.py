@@ -10,7 +10,6 @@ and the ops do not carry W's statistic (fp4_fast's absmax) to the backward, whic
 Recipes are frozen dataclasses, which custom ops cannot take: they travel as ``Recipe.key`` (their repr), read
 back from recipes.BY_KEY.
 """
-import math
 from typing import Optional
 
 import torch
@@ -22,8 +21,6 @@ from .recipes import BY_KEY, Recipe
 
 def xt_layout(tokens, in_features, r: Recipe) -> tuple:
     """(values shape, values dtype, scale shape) of the xᵀ operand the forward saves for dW."""
-    if r.backward == "int4split":
-        return (in_features, padded(tokens, math.lcm(16, r.hadamard_block or 1))), torch.float8_e4m3fn, (in_features, 1)
     scale = (in_features, 1) if r.backward_granularity == "row" else ()
     return (in_features, padded(tokens, 16)), container_dtype(r.bwd_fmt), scale
 

@@ -17,8 +17,7 @@ from ..formats import E2M1
 from ..quant import absmax_scale
 from .fp4 import dge_derivative, occ_split, residual_matmul
 from ..hadamard import pick_block
-from .operands import (Operand, gemm, int8_split_operand, pow2_block_operand, pow2_block_scaled,
-                       quantize_operand, quantize_operand_and_transpose, quantize_operand_delayed_keep_amax,
+from .operands import (Operand, gemm, quantize_operand, quantize_operand_and_transpose, quantize_operand_delayed_keep_amax,
                        quantize_operand_keep_col_max, quantize_operand_keep_tensor_max, quantize_transpose_from_max,
                        tensor_amax, use_kernels)
 from .recipes import Recipe
@@ -31,8 +30,6 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 def _save_x_for_dw(x2: torch.Tensor, r: Recipe, hx=None) -> Operand:
     """x (M, K) -> xᵀ (K, M padded) quantized along tokens: the dW GEMM's second operand. ``hx``: x's amax
     history (delayed scaling, per tensor)."""
-    if r.backward == "int4split":
-        return quantize_operand(x2.t(), "int4_sym", "row", r.hadamard_block)
     return quantize_operand(x2.t(), r.bwd_fmt, r.backward_granularity, history=hx)
 
 
@@ -57,7 +54,7 @@ def _fp4_forward_and_xt(x2, w, r: Recipe, out_dtype):
     """The E2M1 forward GEMM (x and W per row; fp4_fast) and, for an fp8 backward per tensor, the saved xᵀ and
     W's absmax (the backward's Wᵀ scale): both maxima taken by the row quantizers' first passes, so neither xᵀ nor
     Wᵀ needs an absmax pass of its own. (None, None, None) for other backwards."""
-    if r.backward != "fp8" or r.backward_granularity != "tensor":
+    if r.backward_granularity != "tensor":
         return None, None, None
     # the order the GPU gets them: the small weight first, then x, then the GEMM before xᵀ (which only the
     # backward reads), so the GEMM waits on no host work that it does not need
@@ -83,23 +80,6 @@ def _fp8_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, d
     if need_dx:
         gq = gq or quantize_operand(g2, r.grad_fmt, gran, history=None if need_dw else hg)    # (M, N)
         dx = gemm(gq, _quantize_wt(w, r, w_stat, hw), dx_dtype)
-    return dx, dw
-
-
-def _int4split_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, dx_dtype, dw_dtype,
-                        w_stat=None, hg=None, hw=None):
-    """dy as INT8 (after a Hadamard along the contraction dim) split into two INT4 halves, the other operand INT4.
-    ``w_stat`` is the fp8 backward's (W's statistic from the forward); the INT4 weight here is Hadamard-mixed."""
-    dx = dw = None
-    if need_dx:
-        b = pick_block(w.shape[0], r.hadamard_block)
-        hi, lo = int8_split_operand(g2, b)
-        wt = quantize_operand(w.t(), "int4_sym", "row", b)
-        dx = gemm(hi, wt) + gemm(lo, wt)
-    if need_dw:
-        b = r.hadamard_block
-        hi, lo = int8_split_operand(g2.t(), b)
-        dw = gemm(hi, xt) + gemm(lo, xt)
     return dx, dw
 
 
@@ -183,14 +163,13 @@ def lowbit_backward(g2, w, xt: Operand | None, w_stat, r: Recipe, need_dx: bool,
     ``histories``: as lowbit_forward's (dy's is taken here, and W's where the forward left no statistic)."""
     need_dw = need_dw and xt is not None
     with torch.autocast(g2.device.type, enabled=False):
-        bwd = _int4split_backward if r.backward == "int4split" else _fp8_backward
         fn = FUNCTIONS[r.fwd_fmt]
         dw_dtype = w.dtype
         # a factor follows (the DGE): dW in fp32, except from the row-wise CUDA GEMM, which writes bf16 whatever
         # it is asked for (operands.gemm), so asking for fp32 would only add a cast and twice the bytes to read
         if fn.has_weight_grad_factor(r) and not (use_kernels(g2) and r.backward_granularity == "row"):
             dw_dtype = torch.float32
-        dx, dw = bwd(g2, w, xt, r, need_dx, need_dw, x_dtype, dw_dtype, w_stat,
+        dx, dw = _fp8_backward(g2, w, xt, r, need_dx, need_dw, x_dtype, dw_dtype, w_stat,
                      *(histories[1:] if histories is not None else (None, None)))
         if dw is not None:
             dw = fn.finish_weight_grad(dw, w, r)
@@ -209,7 +188,7 @@ class Fp8LinearFunction(_LowBitLinearFunction):
 
     @staticmethod
     def forward_gemm_and_xt(x2, w, r, out_dtype, hx=None, hw=None):
-        if r.backward == "int4split" or r.backward_granularity != r.granularity:
+        if r.backward_granularity != r.granularity:
             return None, None, None
         # the small weight first (its kernels are short: the host issues x's behind them), then x for the forward
         # and xᵀ for dW, in two passes over x
@@ -233,10 +212,7 @@ class Fp4LinearFunction(_LowBitLinearFunction):
         resid = None
         if r.occ_alpha is not None:
             x2, resid = occ_split(x2, r.occ_alpha, r.occ_sample)
-        if r.fp4_block:
-            xq, wq = pow2_block_operand(x2, r.fp4_block), pow2_block_operand(w, r.fp4_block)
-        else:
-            xq, wq = quantize_operand(x2, "e2m1", r.granularity), quantize_operand(w, "e2m1", r.granularity)
+        xq, wq = quantize_operand(x2, "e2m1", r.granularity), quantize_operand(w, "e2m1", r.granularity)
         if resid is None:
             return gemm(xq, wq, out_dtype)
         # the clamped-off outliers, in fp32 against the unquantized weight
@@ -244,8 +220,8 @@ class Fp4LinearFunction(_LowBitLinearFunction):
 
     @staticmethod
     def forward_gemm_and_xt(x2, w, r, out_dtype, hx=None, hw=None):
-        # per-row E2M1 without outlier clamping or power-of-two blocks (fp4_fast): the fused 4-bit path
-        if r.occ_alpha is not None or r.fp4_block or r.granularity != "row":
+        # per-row E2M1 without outlier clamping (fp4_fast): the fused 4-bit path
+        if r.occ_alpha is not None or r.granularity != "row":
             return None, None, None
         return _fp4_forward_and_xt(x2, w, r, out_dtype)
 
@@ -256,7 +232,7 @@ class Fp4LinearFunction(_LowBitLinearFunction):
     @classmethod
     def finish_weight_grad(cls, dw, w, r):
         """On CUDA (per-row or per-tensor scales) one fused pass: kernels/dge.py; the torch reference otherwise."""
-        if r.dge_k is not None and not r.fp4_block and use_kernels(w) and w.dim() == 2:
+        if r.dge_k is not None and use_kernels(w) and w.dim() == 2:
             from ..kernels.dge import dge_scale_grad
             # the forward's scale of W: per row the kernel takes it from W's rows itself; per tensor its absmax
             scale = None if r.granularity == "row" else absmax_scale(tensor_amax(w), E2M1)
@@ -267,11 +243,8 @@ class Fp4LinearFunction(_LowBitLinearFunction):
     def weight_grad_factor(w, r):
         if r.dge_k is None:
             return None
-        if r.fp4_block:
-            v = pow2_block_scaled(w, r.fp4_block)
-        else:
-            q = quantize_operand(w, "e2m1", r.granularity)  # only for its scale: v = w / scale, as quantized
-            v = w.float() / q.scale
+        q = quantize_operand(w, "e2m1", r.granularity)  # only for its scale: v = w / scale, as quantized
+        v = w.float() / q.scale
         return dge_derivative(v, r.dge_k, r.dge_cap)
 
 

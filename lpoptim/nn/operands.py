@@ -15,13 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..formats import E2M1, E4M3, E5M2, IntFormat, container_dtype, get_format, round_to_grid
-from ..quant import finite_absmax, from_groups, pow2_block_exponent, quantize, tensor_or_row_scale, to_groups
+from ..formats import E4M3, E5M2, container_dtype, get_format, round_to_grid
+from ..quant import finite_absmax, tensor_or_row_scale
 from ..hadamard import block_hadamard
-
-# Two INT4 halves of an 8-bit integer: q = 16·hi + lo with hi in -7..7, lo in -8..7 (see split_int8).
-INT8_SPLIT = IntFormat("int8_split", -119, 119)
-
 
 @dataclass
 class Operand:
@@ -196,58 +192,6 @@ def quantize_transpose_from_max(x: torch.Tensor, fmt, col_max: torch.Tensor, pad
     left. x must not have changed since: autograd's version check guards a saved weight."""
     from ..kernels.linear_quant import quantize_cols_from_max
     return Operand(*quantize_cols_from_max(x, get_format(fmt), col_max, padded(x.shape[0], pad_to)))
-
-
-def pow2_block_operand(x: torch.Tensor, block: int = 32, pad_to: int = 16) -> Operand:
-    """FP4 with one power-of-two scale per ``block`` elements along the row, folded into E4M3 (reference, torch).
-
-    Block scale 2^e with e = ceil(log2(amax/6)) keeps |x|/2^e <= 6 on the E2M1 grid. Relative to the row's
-    largest block exponent E, q·2^(e-E) is exact in E4M3 (E2M1 has 2 significant bits, E4M3 4) down to E4M3's
-    subnormals: blocks more than 2^8 below the row's largest lose bits there (rounded by round_to_grid).
-    The row keeps the fp32 scale 2^E, so one FP8 GEMM with row-wise scales computes the block-scaled product.
-    """
-    x = x.float()
-    cols = padded(x.shape[1], math.lcm(pad_to, block))
-    x = F.pad(x, (0, cols - x.shape[1]))
-    g = to_groups(x, block)  # (R, nb, block)
-    amax = finite_absmax(g, dim=-1)
-    e = pow2_block_exponent(amax, E2M1.max, emin=-126)
-    q = round_to_grid(g / torch.ldexp(torch.ones_like(amax), e).unsqueeze(-1), E2M1)
-    e_row = e.amax(-1, keepdim=True)
-    folded = round_to_grid(q * torch.ldexp(torch.ones_like(amax), e - e_row).unsqueeze(-1), E4M3)
-    values = from_groups(folded, x.shape)
-    return Operand(values.to(torch.float8_e4m3fn), torch.ldexp(torch.ones_like(e_row, dtype=torch.float32), e_row))
-
-
-def pow2_block_scaled(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """x divided by its power-of-two block scale (what the E2M1 grid sees; for the DGE)."""
-    shape = x.shape
-    x = x.float()
-    cols = padded(shape[-1], block)
-    g = to_groups(F.pad(x, (0, cols - shape[-1])), block)
-    e = pow2_block_exponent(finite_absmax(g, dim=-1), E2M1.max, emin=-126)  # pow2_block_operand's scales
-    return from_groups(g / torch.ldexp(torch.ones_like(g[..., 0]), e).unsqueeze(-1), (shape[0], cols))[:, : shape[-1]]
-
-
-def split_int8(op: Operand) -> tuple[Operand, Operand]:
-    """An operand with integer values in -119..119 (fp32) -> hi, lo operands with q = 16·hi + lo, both INT4.
-
-    hi = floor((q + 8) / 16) is in -7..7 and lo = q - 16·hi in -8..7: two exact 4-bit GEMMs give the 8-bit one.
-    """
-    q = op.values.float()
-    hi = torch.floor((q + 8) / 16)
-    lo = q - 16 * hi
-    return Operand(hi.to(torch.float8_e4m3fn), op.scale * 16), Operand(lo.to(torch.float8_e4m3fn), op.scale)
-
-
-def int8_split_operand(x: torch.Tensor, hadamard_block: int | None, pad_to: int = 16) -> tuple[Operand, Operand]:
-    """Quantize rows to INT8 (±119, after the block Hadamard), split into two INT4 operands (reference, torch)."""
-    cols = padded(x.shape[1], math.lcm(pad_to, hadamard_block or 1))
-    x = F.pad(x.float(), (0, cols - x.shape[1]))
-    if hadamard_block:
-        x = block_hadamard(x, hadamard_block)
-    q = quantize(x, INT8_SPLIT, "row")
-    return split_int8(Operand(q.values, q.scale.reshape(-1, 1)))
 
 
 # ---- the GEMM ------------------------------------------------------------------------------------------------

@@ -26,7 +26,6 @@ class Recipe:
     # backward operands
     grad_fmt: str = "e5m2"         # output gradient dy
     bwd_fmt: str = "e4m3"          # W in the dx GEMM and the saved x in the dW GEMM
-    backward: str = "fp8"          # "fp8", or (int4 only) "int4split": dy as INT8 split into two INT4 halves
     # scaling of the fp8 backward's operands (dy, W, the saved x); None: as ``granularity``. "tensor" sends both
     # backward GEMMs to the tensor-wise FP8 kernel, faster on Hopper than the row-wise one
     bwd_granularity: str | None = None
@@ -40,7 +39,6 @@ class Recipe:
     scaling: str = "current"
     amax_history: int = 16
     # fp4 (Wang et al. 2025, arXiv 2501.17116)
-    fp4_block: int | None = None   # None: per-token/per-channel scales; 32: blocks with power-of-two scales
     dge_k: float | None = None     # differentiable gradient estimator exponent (None: straight-through)
     dge_cap: float = 3.0           # cap on the DGE derivative
     occ_alpha: float | None = None  # outlier clamping quantile of |x| (None: off)
@@ -75,16 +73,14 @@ FP8_TENSOR_FAST = Recipe("fp8_tensor_fast", granularity="tensor", fast_accum=Tru
 # fp8_tensor with delayed scaling: no absmax pass over x or dy (docs/linear.md)
 FP8_DELAYED = Recipe("fp8_delayed", granularity="tensor", scaling="delayed")
 FP4 = Recipe("fp4", fwd_fmt="e2m1", dge_k=5.0, dge_cap=3.0, occ_alpha=0.99)
-FP4_BLOCK = Recipe("fp4_block32", fwd_fmt="e2m1", fp4_block=32, dge_k=5.0, dge_cap=3.0, occ_alpha=0.99)
 # the fp8 backward per tensor: measured 1.08-1.13x faster than per row on an H100 (docs/linear.md), error bounds
 # dx 0.08 / dW 0.09 instead of 0.075 / 0.085 (tests/test_linear.py)
 # fp4 without outlier clamping (its sparse residual GEMM is unfused: 0.11-0.16x) and with the backward per tensor,
 # as int4's: 1.42 / 1.33x compiled bf16 on the 7B MLP shapes where fp4 itself runs at 0.16x (docs/linear.md)
 FP4_FAST = Recipe("fp4_fast", fwd_fmt="e2m1", dge_k=5.0, dge_cap=3.0, bwd_granularity="tensor")
 INT4 = Recipe("int4", fwd_fmt="int4_sym", hadamard_block=128, bwd_granularity="tensor")
-INT4_SPLIT = Recipe("int4_split", fwd_fmt="int4_sym", hadamard_block=128, backward="int4split")
 
-RECIPES = {r.name: r for r in (FP8, FP8_TENSOR, FP8_TENSOR_FAST, FP8_DELAYED, FP4, FP4_BLOCK, FP4_FAST, INT4, INT4_SPLIT)}
+RECIPES = {r.name: r for r in (FP8, FP8_TENSOR, FP8_TENSOR_FAST, FP8_DELAYED, FP4, FP4_FAST, INT4)}
 # the short names published benchmark commands used; accepted everywhere a recipe name is
 ALIASES = {"fp8t": "fp8_tensor", "fp8tf": "fp8_tensor_fast", "fp8d": "fp8_delayed", "fp4f": "fp4_fast"}
 # the default of convert_linears, LowBitLinear and the docs: the fastest fp8 recipe measured (1.38-1.68x compiled
@@ -109,16 +105,14 @@ def get_recipe(recipe: str | Recipe, **overrides) -> Recipe:
         raise ValueError(f"granularity must be 'row' or 'tensor', got {recipe.granularity!r}")
     if recipe.bwd_granularity not in (None, "row", "tensor"):
         raise ValueError(f"bwd_granularity must be None, 'row' or 'tensor', got {recipe.bwd_granularity!r}")
-    if recipe.backward not in ("fp8", "int4split"):
-        raise ValueError(f"backward must be 'fp8' or 'int4split', got {recipe.backward!r}")
     if recipe.fast_accum and recipe.fwd_fmt != "e4m3":
         raise ValueError("fast_accum is for the fp8 recipes: it drops accumulator bits, so 4-bit GEMMs would no "
                          "longer be exact")
     if recipe.scaling not in ("current", "delayed"):
         raise ValueError(f"scaling must be 'current' or 'delayed', got {recipe.scaling!r}")
-    if recipe.scaling == "delayed" and (recipe.backward != "fp8" or recipe.backward_granularity != "tensor"):
-        raise ValueError("scaling='delayed' scales x, dy and W per tensor: it needs backward='fp8' with "
-                         "bwd_granularity='tensor' (or granularity='tensor')")
+    if recipe.scaling == "delayed" and recipe.backward_granularity != "tensor":
+        raise ValueError("scaling='delayed' scales x, dy and W per tensor: it needs bwd_granularity='tensor' (or "
+                         "granularity='tensor')")
     if recipe.amax_history < 1:
         raise ValueError(f"amax_history must be at least 1, got {recipe.amax_history}")
     if recipe.hadamard_block is not None and recipe.hadamard_block & (recipe.hadamard_block - 1):
