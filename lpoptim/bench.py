@@ -323,6 +323,14 @@ def environment() -> dict:
                 command=shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
 
 
+def parameter_count(report: dict) -> str:
+    """"parameters: 6.74 B" (or "0.26 M" for a small model), from the first recipe that ran; "" if none did."""
+    n = next((r["params"] for r in report["results"] if r.get("params")), 0)
+    if not n:
+        return ""
+    return f"parameters: {n / 1e9:.2f} B" if n >= 1e8 else f"parameters: {n / 1e6:.2f} M"
+
+
 def table(report: dict) -> str:
     """The markdown table printed last."""
     cuda = report["peak_measured"]
@@ -337,7 +345,7 @@ def table(report: dict) -> str:
         f"median of {report['steps']} steps after {report['warmup']} warm-up",
         f"device: {env['gpu'] or 'CPU'}, torch {env['torch']}, triton {env['triton']}"
         + (f", allocator capped at {env['memory_cap_gib']} GiB" if env.get("memory_cap_gib") else ""),
-        f"parameters: {report['results'][0].get('params', 0) / 1e9:.2f} B" if report["results"] else "",
+        parameter_count(report),
         f"command: {report.get('command', '')}",
     ]
     if any(r.get("peak_kind") == "reserved" for r in report["results"]):

@@ -31,6 +31,8 @@ def test_bench_tiny_cpu(tmp_path, capsys):
     assert rows["lpoptim+act"]["activations_bytes"] < 0.7 * rows["lpoptim"]["activations_bytes"]
     out = capsys.readouterr().out
     assert "| lpoptim+act |" in out and "command: python -m lpoptim bench --preset tiny" in out
+    n = sum(p.numel() for p in Llama(PRESETS["tiny"]).parameters())
+    assert rows["torch"]["params"] == n and f"parameters: {n / 1e6:.2f} M" in out  # not "0.00 B"
     assert (tmp_path / "bench.png").exists()
 
 
