@@ -330,7 +330,9 @@ def adam_bound_terms(beta1: float, beta2: float) -> tuple[float, float]:
     it at step n + 1 (Cauchy-Schwarz on the two terms of each recursion). beta2 = 0 has no bound: c = 0."""
     if beta2 <= 0:
         return 0.0, 0.0
-    return beta1 * beta1 / beta2, (1 - beta2) / (1 - beta1) ** 2
+    r = beta1 * beta1 / beta2
+    # within fp32's reach of 1 (betas (0.8, 0.64): 1 - 2^-52), the sum is n: (1 - r^n) / (1 - r) would be 0 / 0
+    return (1.0 if abs(r - 1.0) < 2.0 ** -20 else r), (1 - beta2) / (1 - beta1) ** 2
 
 
 def adam_bound_inv(n: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:

@@ -112,6 +112,72 @@ def test_recompute_replays_moe_routing(name):
     assert min(cos.values()) > 0.995, sorted(cos.items(), key=lambda kv: kv[1])[:3]
 
 
+def test_recompute_decisions_survive_in_place_changes():
+    """A block that shifts its routing indices in place (idx += offset) routes the same way in the replay: the
+    decisions are copies, not the tensors the block changed."""
+    class Router(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(16, 8)
+            self.experts = nn.Parameter(torch.randn(32, 16))
+
+        def forward(self, x):
+            idx = self.gate(x).argmax(-1)
+            idx += 8  # this block's experts start at 8
+            return x + self.experts[idx]
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([Router(), Router()])
+    x = torch.randn(4, 64, 16, requires_grad=True)
+
+    def grads():
+        for b in blocks:
+            b.zero_grad(set_to_none=True)
+        y = x
+        for b in blocks:
+            y = b(y)
+        y.pow(2).sum().backward()
+        return [b.experts.grad.clone() for b in blocks]
+
+    ref = grads()
+    with compress_activations(blocks, recompute=True):
+        got = grads()
+    for r, g in zip(ref, got):
+        assert torch.equal(r.abs().sum(-1) > 0, g.abs().sum(-1) > 0)  # the same experts get gradients
+        assert (g[:8] == 0).all() and (g[16:] == 0).all()
+
+
+def test_recompute_refuses_a_kv_cache_registered_as_a_pytree_node():
+    """transformers can register its caches as pytree nodes (export support): still found, still refused. In a
+    process of its own: the registration is global."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import torch, transformers
+        from transformers.integrations import executorch
+        from lpoptim.activations import compress_activations
+        if not hasattr(executorch, "register_dynamic_cache_export_support"):
+            print("skip"); raise SystemExit
+        executorch.register_dynamic_cache_export_support()
+        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                       num_key_value_heads=2, num_hidden_layers=2, vocab_size=128)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).train()
+        ids = torch.randint(0, 128, (2, 16))
+        with compress_activations(model.model.layers, recompute=True):
+            try:
+                model(ids, labels=ids, use_cache=True).loss.backward()
+                print("not refused")
+            except RuntimeError as e:
+                print("refused" if "use_cache=False" in str(e) else repr(e))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if out.stdout.strip() == "skip":
+        pytest.skip("this transformers has no pytree registration of its caches")
+    assert out.stdout.strip().endswith("refused"), out.stdout + out.stderr
+
+
 def test_recompute_decisions_replay_values_through_gather():
     """topk, sort, argmax and max along a dim in the replay take the forward's indices and the replay's values."""
     from lpoptim.activations.recompute import Decisions

@@ -196,3 +196,27 @@ def test_the_older_codec_did_blow_up():
         worst = max(worst, step.abs().max().item() / torch_max)
         m, v = old_roundtrip(m), old_roundtrip(v)
     assert worst > 1e3
+
+
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.9, 0.99), (0.8, 0.64), (0.7, 0.49), (0.0, 0.999), (0.9, 0.5)])
+def test_adams_own_bound_holds_for_any_betas(betas):
+    """m_n^2 <= K_n v_n on random streams for the K_n the decoder uses (quant.adam_bound_inv), tight within a few
+    percent on the stream that attains it, and finite where beta1^2 = beta2 up to rounding ((0.8, 0.64): 1 - 2^-52,
+    where (1 - r^n) / (1 - r) in fp32 would be 0 / 0 and the bound would silently switch off)."""
+    from lpoptim.quant import adam_bound_inv
+
+    b1, b2 = betas
+    gen = torch.Generator().manual_seed(0)
+    m = v = torch.zeros(4096, dtype=torch.float64)
+    for n in range(1, 60):
+        g = torch.randn(4096, generator=gen, dtype=torch.float64) * torch.exp(torch.randn(4096, generator=gen) * 2)
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        inv = adam_bound_inv(torch.tensor(float(n)), b1, b2).double()
+        assert torch.isfinite(inv) and inv > 0
+        assert (m * m * inv <= v * (1 + 1e-5)).all()
+    # the stream that attains it: g_i proportional to (b1 / b2)^(n - i), n steps
+    n = 30
+    g = torch.tensor([(b1 / b2) ** (n - i) if b1 > 0 else float(i == n) for i in range(1, n + 1)], dtype=torch.float64)
+    m = (1 - b1) * sum(b1 ** (n - i) * g[i - 1] for i in range(1, n + 1))
+    v = (1 - b2) * sum(b2 ** (n - i) * g[i - 1] ** 2 for i in range(1, n + 1))
+    assert (m * m * adam_bound_inv(torch.tensor(float(n)), b1, b2).double()).item() == pytest.approx(v.item(), rel=1e-4)

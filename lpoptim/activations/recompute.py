@@ -103,13 +103,15 @@ class Decisions(TorchFunctionMode):
             return func(*args, **kwargs)
         if not self.replaying:
             out = func(*args, **kwargs)
-            self.taken.append((name, tuple(x.shape), out.indices if name in _GATHERED else out))
+            # a copy: the block may change the indices it was handed in place (idx += offset), which the replay
+            # would then do again to the same tensor
+            self.taken.append((name, tuple(x.shape), (out.indices if name in _GATHERED else out).clone()))
             return out
         if self.next >= len(self.taken) or self.taken[self.next][:2] != (name, tuple(x.shape)):
             raise RuntimeError(
                 f"compress_activations(recompute=True): the block's replay called {name} on a {tuple(x.shape)} "
                 "tensor where its forward had not; a recomputed block must make the same calls in backward")
-        indices = self.taken[self.next][2]
+        indices = self.taken[self.next][2].clone()  # each replay starts from the forward's own decisions
         self.next += 1
         if name not in _GATHERED:
             return indices
@@ -210,13 +212,16 @@ class _nothing:
         return False
 
 
-def _kv_cache(flat):
-    """The first transformers ``Cache`` among the call's leaves, or None (transformers not imported: none)."""
+def _kv_cache(args, kwargs):
+    """The first transformers ``Cache`` among the call's arguments, or None (transformers not imported: none).
+    Flattened with caches as leaves: transformers can register its caches as pytree nodes (export support),
+    and their flattened tensors would hide them."""
     cache_utils = sys.modules.get("transformers.cache_utils")
     cache_type = getattr(cache_utils, "Cache", None)
     if cache_type is None:
         return None
-    return next((v for v in flat if isinstance(v, cache_type)), None)
+    leaves, _ = tree_flatten((args, kwargs), is_leaf=lambda v: isinstance(v, cache_type))
+    return next((v for v in leaves if isinstance(v, cache_type)), None)
 
 
 def fp8_checkpoint(fn, module: torch.nn.Module, args, kwargs, policy: ActivationPolicy,
@@ -229,13 +234,13 @@ def fp8_checkpoint(fn, module: torch.nn.Module, args, kwargs, policy: Activation
     runs compiled (a TorchFunctionMode would be traced into its graphs).
     """
     _warn_if_outer_hooks()  # the FP8 inputs are held by the Function, not saved through the hooks
-    flat, spec = tree_flatten((args, kwargs))
-    cache = _kv_cache(flat)
+    cache = _kv_cache(args, kwargs)
     if cache is not None:
         raise RuntimeError(
             f"compress_activations(recompute=True) cannot replay {type(module).__name__} with a KV cache "
             f"({type(cache).__name__}: the replay would update it again); pass use_cache=False to the model or set "
             "model.config.use_cache=False for training")
+    flat, spec = tree_flatten((args, kwargs))
     tensor_idx = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
     inputs = [flat[i] for i in tensor_idx]
     params = [p for p in module.parameters() if p.requires_grad]

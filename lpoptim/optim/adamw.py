@@ -333,7 +333,8 @@ class AdamW(Optimizer):
                 if stored is not None and stored.numel() == 0:  # an empty shard (uneven FSDP2 sharding)
                     out[name] = torch.zeros(stored.shape, dtype=torch.float32, device=stored.device)
                 elif stored is not None:
-                    out[name] = load_moment(st, name, layout) if "exp_avg_scale" in st else stored.float().clone()
+                    out[name] = (load_moment(st, name, layout) if "exp_avg_scale" in st
+                                 else stored.to(torch.promote_types(stored.dtype, torch.float32), copy=True))
             if _dist.is_dtensor(p):  # torch's AdamW holds a DTensor parameter's moments as DTensors
                 out = _dist.wrap_state(p, out, dataclasses.replace(layout, quantized=False))
             out_state[pid] = out

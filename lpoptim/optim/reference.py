@@ -76,7 +76,8 @@ def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, l
     m = load_moment(state, "exp_avg", layout).to(acc)
     v = load_moment(state, "exp_avg_sq", layout).to(acc)
     if layout.quantized:  # a decoded v is never below what Adam's own recursion allows beside the decoded m
-        v = torch.maximum(v, m * m * adam_bound_inv(state["step"], beta1, beta2))
+        # fmax, as the GPU's max: a NaN bound (a NaN m) leaves v as it is
+        v = torch.fmax(v, m * m * adam_bound_inv(state["step"], beta1, beta2))
     m = m + (1 - beta1) * (g - m)  # torch's lerp, written out so every backend rounds alike
     v = v * beta2 + (1 - beta2) * g * g
     v_used = v
