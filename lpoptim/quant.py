@@ -337,13 +337,13 @@ def adam_bound_terms(beta1: float, beta2: float) -> tuple[float, float]:
 
 def adam_bound_inv(n: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
     """1 / K_n (adam_bound_terms) in fp32 for a step count n (fp32 tensor), in the kernel's order (r^n as
-    2^(n log2 r): one exp2, log2 r from the host); 0 where the series is 0 (no step yet: the moments are 0) or
+    2^(n log2 r): one exp2, log2 r from the host); 0 where the sum is 0 (no step yet: the moments are 0) or
     infinite. A safety bound, not an update: an ulp here or there moves nothing that matters."""
     r, c = adam_bound_terms(beta1, beta2)
     n = n.float()
     if r == 1.0:
-        series = n
-    else:
+        inv = c / n
+    else:  # c (1 - r) / (1 - r^n), the numerator from the host in float64 (the kernel's argument)
         log2_r = torch.tensor(math.log2(r) if r > 0 else -math.inf, dtype=torch.float32, device=n.device)
-        series = (1.0 - torch.exp2(n * log2_r)) / (1.0 - torch.tensor(r, dtype=torch.float32, device=n.device))
-    return torch.where(series > 0, torch.tensor(c, dtype=torch.float32, device=n.device) / series, torch.zeros_like(n))
+        inv = torch.tensor(c * (1 - r), dtype=torch.float32, device=n.device) / (1.0 - torch.exp2(n * log2_r))
+    return torch.where((inv > 0) & (inv < math.inf), inv, torch.zeros_like(n))

@@ -147,7 +147,7 @@ if HAVE_TRITON:
     @triton.jit
     def _adamw_kernel(
         ptrs, dims, blocks, lr_ptr, decay_ptr, grad_scale_ptr, found_inf_ptr, salt_ptr,
-        lr, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, bound_ratio, bound_log2_ratio, bound_coef,
+        lr, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, bound_ratio, bound_log2_ratio, bound_numer,
         PARAM_DTYPE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
         M_E4M3: tl.constexpr, M_MAN: tl.constexpr, M_MINEXP: tl.constexpr, M_MAX: tl.constexpr, M_SPAN: tl.constexpr,
         M_INV: tl.constexpr, M_LOG2: tl.constexpr,
@@ -181,11 +181,12 @@ if HAVE_TRITON:
         step = tl.load(_address(row_ptrs, STEP_COLUMN_C, tl.float32, False))
         bias_correction1 = 1.0 - _pow(beta1, step, ON_GPU)
         inv_bc2_sqrt = tl.rsqrt(1.0 - _pow(beta2, step, ON_GPU))  # 1 / sqrt(1 - beta2^t)
-        if QUANT:  # 1 / K of Adam's own bound m^2 <= K v after step - 1 steps (reference.adam_bound_inv)
-            steps_before = step - 1.0  # r^n as 2^(n log2 r): one ex2, not a powf
-            series = tl.where(bound_ratio == 1.0, steps_before,
-                              (1.0 - fast_exp2(steps_before * bound_log2_ratio, ON_GPU)) / (1.0 - bound_ratio))
-            inv_bound = tl.where(series > 0, bound_coef / series, 0.0)
+        if QUANT:  # 1 / K of Adam's own bound m^2 <= K v after step - 1 steps (quant.adam_bound_inv)
+            steps_before = step - 1.0  # r^n as 2^(n log2 r): one ex2 and one rcp, no powf, no division
+            bound_denom = tl.where(bound_ratio == 1.0, steps_before,
+                                   1.0 - fast_exp2(steps_before * bound_log2_ratio, ON_GPU))
+            inv_bound = bound_numer * fast_rcp(bound_denom, ON_GPU)
+            inv_bound = tl.where((inv_bound > 0) & (inv_bound < float("inf")), inv_bound, 0.0)  # no step yet: 0
         if LR_IS_TENSOR:  # lr and 1 - lr * weight_decay on the device: lr / bc1
             step_size = tl.math.div_rn(tl.load(lr_ptr), bias_correction1)
             decay = tl.load(decay_ptr)
@@ -394,9 +395,10 @@ def fused_adamw_step(batch, *, lr, beta1, beta2, eps, weight_decay, amsgrad, max
 
 @functools.cache
 def _bound_args(beta1: float, beta2: float) -> tuple[float, float, float]:
-    """(r, log2 r, c) of Adam's bound on the decoded moments (quant.adam_bound_terms, adam_bound_inv)."""
+    """(r, log2 r, the numerator) of Adam's bound on the decoded moments: 1 / K_n = c (1 - r) / (1 - r^n), or c / n
+    where r = 1 (quant.adam_bound_terms, adam_bound_inv)."""
     r, c = adam_bound_terms(beta1, beta2)
-    return r, (math.log2(r) if r > 0 else -math.inf), c
+    return r, (math.log2(r) if r > 0 else -math.inf), (c if r == 1.0 else c * (1 - r))
 
 
 def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, grad_scale,
