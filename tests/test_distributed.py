@@ -326,10 +326,11 @@ def run():
 def test_ddp_matches_single_process(run):
     # DDP averages the two ranks' gradients; the reference computes the same average from the same half
     # batches: only the reductions' rounding differs (ulps). That moves the loss by far less than 1e-6, unless a
-    # moment sits at an FP8 rounding boundary and takes the neighbouring code (one element's update moves by
-    # 2^-3 of itself: about 1e-6 of the loss here, seen once in 13 steps); a wrong average would move it by 1e-2
+    # moment sits at an FP8 rounding boundary and takes the neighbouring code (one element's update moves by up to
+    # 2^-3 of itself, more in a compressed group: seen 1e-6 and once 1.4e-5 of the loss in 13 steps); a wrong
+    # average would move it by 1e-2
     for r in run["ranks"]:
-        assert r["ddp"] == pytest.approx(run["ref"], rel=1e-5, abs=1e-7)
+        assert r["ddp"] == pytest.approx(run["ref"], rel=1e-4, abs=1e-7)
 
 
 def test_fsdp2_matches_single_process(run):
