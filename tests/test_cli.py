@@ -158,3 +158,20 @@ def test_failed_row_is_marked_in_the_table():
                   compile=False, steps=1, warmup=1, peak_measured=False,
                   results=[dict(recipe="lpoptim+act", error="RuntimeError: boom")])
     assert "| lpoptim+act | FAILED: RuntimeError: boom |" in bench.table(report)
+
+
+def test_train_presets_build_the_models_they_name():
+    """gpt2-113m is the quality preset beyond the toy: at least 100 M parameters with a character vocabulary,
+    context >= 512 (built on the meta device: no memory, no time)."""
+    from lpoptim.__main__ import PRESETS
+    from lpoptim.train.gpt import GPT, GPTConfig
+    from lpoptim.train.loop import RunConfig
+
+    fields = {"n_layer", "n_head", "n_embd", "block_size", "dropout"}
+    for name, preset in PRESETS.items():
+        RunConfig(**preset)  # every key is a run setting
+        with torch.device("meta"):
+            model = GPT(GPTConfig(vocab_size=100, **{k: v for k, v in preset.items() if k in fields}))
+        params = sum(p.numel() for p in model.parameters())
+        if name == "gpt2-113m":
+            assert params >= 100e6 and preset["block_size"] >= 512 and preset["steps"] >= 2000
