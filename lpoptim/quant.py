@@ -17,7 +17,8 @@ NaN), the minimum is over non-zero finite elements (a zero does not collapse k),
 out of the group statistics, so they never poison their neighbours: NaN is kept as a NaN code, ±inf saturates to
 the group's largest code (v = g² overflowing fp32 then stays finite, where a NaN would spread into the parameter).
 One limit: an element below 2^-126 of its group's absmax (a range no k spans) decodes only to within 2^-120 of
-that absmax, maybe to 0; the optimizer's decoder bounds what that could do to a step (adam_bound_terms). benchmarks/state_quant_error.py measures the choice.
+that absmax, maybe to 0; the optimizer's decoder bounds what that could do to a step (adam_bound_terms).
+benchmarks/state_quant_error.py measures the choice.
 """
 from __future__ import annotations
 
@@ -335,15 +336,19 @@ def adam_bound_terms(beta1: float, beta2: float) -> tuple[float, float]:
     return (1.0 if abs(r - 1.0) < 2.0 ** -20 else r), (1 - beta2) / (1 - beta1) ** 2
 
 
+@functools.cache
+def adam_bound_args(beta1: float, beta2: float) -> tuple[float, float, float]:
+    """(r, log2 r, numerator) with 1 / K_n = numerator / (1 - r^n), or numerator / n where r = 1: what the kernel
+    and adam_bound_inv take from the host (the numerator is c (1 - r), or c)."""
+    r, c = adam_bound_terms(beta1, beta2)
+    return r, (math.log2(r) if r > 0 else -math.inf), (c if r == 1.0 else c * (1 - r))
+
+
 def adam_bound_inv(n: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
     """1 / K_n (adam_bound_terms) in fp32 for a step count n (fp32 tensor), in the kernel's order (r^n as
     2^(n log2 r): one exp2, log2 r from the host); 0 where the sum is 0 (no step yet: the moments are 0) or
     infinite. A safety bound, not an update: an ulp here or there moves nothing that matters."""
-    r, c = adam_bound_terms(beta1, beta2)
-    n = n.float()
-    if r == 1.0:
-        inv = c / n
-    else:  # c (1 - r) / (1 - r^n), the numerator from the host in float64 (the kernel's argument)
-        log2_r = torch.tensor(math.log2(r) if r > 0 else -math.inf, dtype=torch.float32, device=n.device)
-        inv = torch.tensor(c * (1 - r), dtype=torch.float32, device=n.device) / (1.0 - torch.exp2(n * log2_r))
+    r, log2_r, numerator = adam_bound_args(beta1, beta2)
+    n = n.float()  # Python floats meet an fp32 tensor as fp32 scalars, as the kernel's arguments
+    inv = numerator / (n if r == 1.0 else 1.0 - torch.exp2(n * log2_r))
     return torch.where((inv > 0) & (inv < math.inf), inv, torch.zeros_like(n))

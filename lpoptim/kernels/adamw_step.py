@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - triton is a dependency, but keep the r
     HAVE_TRITON = False
 
 from ..formats import get_format
-from ..quant import (K_MANT_BITS, K_MASK, K_MAX_EXP, K_MIN_EXP, K_ONE, K_SLACK_BITS, adam_bound_terms,
+from ..quant import (K_MANT_BITS, K_MASK, K_MAX_EXP, K_MIN_EXP, K_ONE, K_SLACK_BITS, adam_bound_args,
                      expansion_floor, inv_max, log2_max)
 
 # the address table's columns: param, grad, then (codes, scale) of exp_avg, exp_avg_sq, max_exp_avg_sq, then the
@@ -393,14 +393,6 @@ def fused_adamw_step(batch, *, lr, beta1, beta2, eps, weight_decay, amsgrad, max
                 amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf, salts=salts)
 
 
-@functools.cache
-def _bound_args(beta1: float, beta2: float) -> tuple[float, float, float]:
-    """(r, log2 r, the numerator) of Adam's bound on the decoded moments: 1 / K_n = c (1 - r) / (1 - r^n), or c / n
-    where r = 1 (quant.adam_bound_terms, adam_bound_inv)."""
-    r, c = adam_bound_terms(beta1, beta2)
-    return r, (math.log2(r) if r > 0 else -math.inf), (c if r == 1.0 else c * (1 - r))
-
-
 def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, grad_scale,
             found_inf, salts):
     block_g, loop = TUNING["block_groups"], TUNING["loop"]
@@ -423,7 +415,7 @@ def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_de
         grad_scale.to(dev, torch.float32) if grad_scale is not None else dummy,
         found_inf if found_inf is not None else dummy, plan.salts if salts is not None else dummy,
         0.0 if lr_is_tensor else float(lr), 0.0 if lr_is_tensor else float(decay),
-        beta1, 1 - beta1, beta2, 1 - beta2, eps, *_bound_args(beta1, beta2),
+        beta1, 1 - beta1, beta2, 1 - beta2, eps, *adam_bound_args(beta1, beta2),
         PARAM_DTYPE=_TL_DTYPES[dtype], G=layout.group_size, BLOCK_G=block_g,
         **_format_args(layout.exp_avg_format, "M"), **_format_args(layout.exp_avg_sq_format, "V"),
         QUANT=layout.quantized, EXPANSION=layout.expansion, SQRT_V=layout.sqrt_v, AMSGRAD=amsgrad, MAXIMIZE=maximize,

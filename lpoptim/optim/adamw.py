@@ -15,7 +15,7 @@ from ..formats import FloatFormat, get_format
 from ..quant import num_groups
 from . import distributed as _dist
 from .reference import MOMENTS, load_moment, reference_adamw_step
-from .state import CODES, StateLayout, init_state, stored_moment
+from .state import CODES, StateLayout, init_state, moment_dtype, stored_moment
 
 LPOPTIM_DEFAULTS = dict(
     exp_avg_format="e4m3",
@@ -449,8 +449,7 @@ def _convert_state(state: dict, param: torch.Tensor, layout: StateLayout) -> dic
         out = dict(state)
         out["step"] = step
         if not layout.quantized:  # fp32 moments stay fp32 whatever the parameter's dtype (float64 for float64)
-            dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
-            out.update({k: state[k].to(dtype) for k in MOMENTS if k in state})
+            out.update({k: state[k].to(moment_dtype(param)) for k in MOMENTS if k in state})
         return out
     out = {"step": step}
     for name in MOMENTS:

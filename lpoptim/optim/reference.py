@@ -11,16 +11,10 @@ from __future__ import annotations
 import torch
 
 from ..quant import adam_bound_inv, dequantize_state, quantize_state
-from .state import CODES, StateLayout
+from .state import CODES, StateLayout, moment_dtype
 from .stochastic_round import round_bf16_stochastic, sr_key
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-
-
-def compute_dtype(param: torch.Tensor) -> torch.dtype:
-    """What the update is computed in: fp32, or float64 for float64 parameters (whose fp32-layout moments are
-    float64 too, as torch.optim.AdamW keeps them)."""
-    return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
 def load_moment(state: dict, name: str, layout: StateLayout) -> torch.Tensor:
@@ -61,7 +55,7 @@ def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, l
     found_inf is non-zero nothing changes, the step count included. No host synchronisation happens here.
     """
     dev = param.device
-    acc = compute_dtype(param)
+    acc = moment_dtype(param)
     g = grad.to(acc)
     if grad_scale is not None:
         g = g / grad_scale.to(dev)

@@ -26,6 +26,12 @@ from ..quant import num_groups
 CODES = "_codes"  # a quantized moment's codes are held under its name with this suffix
 
 
+def moment_dtype(param: torch.Tensor) -> torch.dtype:
+    """The dtype of unquantized moments and of the update's arithmetic: fp32, float64 for float64 parameters (as
+    torch.optim.AdamW keeps them)."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
 def stored_moment(state: dict, name: str) -> torch.Tensor | None:
     """The tensor holding moment ``name`` (its codes, or its fp32 values; codes saved by lpoptim 0.1 under the
     moment's own name too), or None if the state has none."""
@@ -75,9 +81,7 @@ def init_state(param: torch.Tensor, layout: StateLayout, amsgrad: bool) -> dict[
             state[name + CODES] = torch.zeros(param.shape, dtype=torch.uint8, device=dev)
             state[name + "_scale"] = torch.zeros(num_groups(param.shape, layout.group_size), dtype=torch.float32, device=dev)
         else:
-            # fp32 moments, as torch's for bf16/fp16 mixed setups would be; float64 for float64 parameters
-            dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
-            state[name] = torch.zeros(param.shape, dtype=dtype, device=dev)
+            state[name] = torch.zeros(param.shape, dtype=moment_dtype(param), device=dev)
     return state
 
 
