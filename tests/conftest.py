@@ -25,4 +25,3 @@ def interpreter_friendly_tiles(monkeypatch):
 
     if not torch.cuda.is_available():
         monkeypatch.setattr(kernel, "TUNING", {**kernel.TUNING, "block_groups": 16, "num_warps": 4, "loop": 1})
-    yield

@@ -480,7 +480,7 @@ def test_torch_adamw_refuses_an_lpoptim_state_dict():
 
 def test_loads_states_saved_with_the_older_layout():
     """States saved by lpoptim 0.1 (codes under torch's names, k = 1 + code / 16) load with the same values."""
-    from lpoptim.quant import legacy_k_of, quantize_state
+    from lpoptim.quant import legacy_k_of
 
     w = torch.nn.Parameter(torch.randn(16, 256))
     opt = lpoptim.AdamW([w], lr=1e-2, min_quant_numel=1024)

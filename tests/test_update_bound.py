@@ -88,15 +88,12 @@ def _check(grads, flags, lp_step, device="cpu"):
                                                                                     torch.bfloat16 if bf16 else None)
     # one bf16 ulp of the largest parameter: what stochastic rounding may add to a step
     slack = (2.0 ** (math.floor(math.log2(p.abs().max().item())) - 7)) if bf16 else 0.0
-    worst = 0.0
     for t, (g, torch_max) in enumerate(zip(grads, want), 1):
         before = p.float().clone()
         lp_step(p, g.to(device, p.dtype))
         got = (p.float() - before).abs().max().item()
         assert math.isfinite(got)
-        worst = max(worst, got / max(torch_max, 1e-30))
         assert got <= RATIO * torch_max + slack, f"step {t}: {got:.3g} against torch's {torch_max:.3g}"
-    return worst
 
 
 def _optimizer_stepper(flags, **options):
@@ -121,18 +118,18 @@ def test_reference_step_is_bounded_by_torchs(stream, flags):
 
 
 def _kernel_stepper(flags):
-    hyper = dict(lr=1e-3, beta1=flags.get("betas", (0.9, 0.999))[0], beta2=flags.get("betas", (0.9, 0.999))[1],
-                 eps=1e-8, weight_decay=flags.get("weight_decay", 0.0), amsgrad=flags.get("amsgrad", False),
+    beta1, beta2 = flags.get("betas", (0.9, 0.999))
+    hyper = dict(lr=1e-3, beta1=beta1, beta2=beta2, eps=1e-8, weight_decay=flags.get("weight_decay", 0.0), amsgrad=flags.get("amsgrad", False),
                  maximize=flags.get("maximize", False))
     layout = StateLayout(quantized=True)
     held = {}
 
     def step(p, g):
-        st = held.setdefault("state", init_state(p, layout, hyper["amsgrad"]))
-        kernel.fused_adamw_step([(p, g.contiguous(), st, layout)], sr_salts=[0] if flags.get("bf16_stochastic_round")
-                                else None, **hyper)
-        held["layout"] = layout
-    return step, held
+        if "state" not in held:
+            held["state"] = init_state(p, layout, hyper["amsgrad"])
+        kernel.fused_adamw_step([(p, g.contiguous(), held["state"], layout)],
+                                sr_salts=[0] if flags.get("bf16_stochastic_round") else None, **hyper)
+    return step
 
 
 # the interpreter is slow: every stream with the default flags, the hardest streams with the kernel's other paths
@@ -145,7 +142,7 @@ KERNEL_CASES = ([(stream, "default") for stream in STREAMS]
 def test_kernel_step_is_bounded_by_torchs_interpreter(stream, flags, interpreter_friendly_tiles):
     if torch.cuda.is_available():
         pytest.skip("the GPU test below covers the kernel")
-    step, _ = _kernel_stepper(FLAGS[flags])
+    step = _kernel_stepper(FLAGS[flags])
     _check(STREAMS[stream], FLAGS[flags], step)
 
 
