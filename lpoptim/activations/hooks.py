@@ -30,7 +30,6 @@ is kept lean: benchmarks/activation_overhead.py measures it.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import types
 import warnings
@@ -149,6 +148,27 @@ _SDPA = torch.nn.functional.scaled_dot_product_attention
 _AUTOCAST_DEVICES = ("cuda", "cpu")
 
 
+def autocast_state() -> list[tuple]:
+    """(device type, enabled, dtype) of autocast for every device type: what a replay in backward re-enters."""
+    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES]
+
+
+class reenter_autocast:
+    """Re-enter a forward's autocast state (``autocast_state()``) for every device type, in backward."""
+
+    def __init__(self, states):
+        self.ctxs = [torch.autocast(d, dtype=dt, enabled=on) for d, on, dt in states]
+
+    def __enter__(self):
+        for c in self.ctxs:
+            c.__enter__()
+
+    def __exit__(self, *exc):
+        for c in reversed(self.ctxs):
+            c.__exit__(*exc)
+        return False
+
+
 class _AttentionReplay:
     """``scaled_dot_product_attention`` called again in backward, under the forward's autocast state, with its
     tensor arguments and keyword arguments passed positionally (a Derived's arguments)."""
@@ -160,9 +180,7 @@ class _AttentionReplay:
 
     def __call__(self, *vals):
         kwargs = dict(zip(self.kw_names, vals[self.n_args:]))
-        with contextlib.ExitStack() as stack:
-            for device, enabled, dtype in self.autocast:
-                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+        with reenter_autocast(self.autocast):
             return _SDPA(*vals[:self.n_args], **kwargs)
 
 
@@ -194,8 +212,7 @@ def _attention_replay(ctx, out: torch.Tensor):
                          not isinstance(h, PackedActivation)):
             return None
         entries.append((True, h))
-    autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES]
-    return Derived(_AttentionReplay(len(args), kw_names, autocast), entries, {})
+    return Derived(_AttentionReplay(len(args), kw_names, autocast_state()), entries, {})
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:

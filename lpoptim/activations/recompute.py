@@ -21,6 +21,7 @@ updates the cache, and the replay would update it again and read the keys and va
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -28,11 +29,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .codec import COMPRESSIBLE_DTYPES, PackedActivation, pack
-from .hooks import _warn_if_outer_hooks
+from .hooks import _warn_if_outer_hooks, autocast_state, reenter_autocast
 from .policy import ActivationPolicy
 from .stats import SavedStats
 
-_AUTOCAST_DEVICES = ("cuda", "cpu")
 
 
 _TENSOR = object()  # a tensor's place among a call's outputs
@@ -133,7 +133,7 @@ class _FP8Recompute(torch.autograd.Function):
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_devices = sorted({t.device.index for t in inputs if t.is_cuda})
         ctx.cuda_rng = [torch.cuda.get_rng_state(d) for d in ctx.cuda_devices]
-        ctx.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES]
+        ctx.autocast = autocast_state()
         stored, kept = [], []
         for t in inputs:
             nbytes = t.numel() * t.element_size()
@@ -172,7 +172,8 @@ class _FP8Recompute(torch.autograd.Function):
             torch.set_rng_state(ctx.cpu_rng)
             for d, s in zip(ctx.cuda_devices, ctx.cuda_rng):
                 torch.cuda.set_rng_state(s, d)
-            with torch.enable_grad(), _autocast(ctx.autocast), _replaying(ctx.decisions):
+            replaying = ctx.decisions.replay() if ctx.decisions is not None else contextlib.nullcontext()
+            with torch.enable_grad(), reenter_autocast(ctx.autocast), replaying:
                 outs = ctx.run(inputs)
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
         targets = [t for t in inputs if t.requires_grad] + [p for p in params if p.requires_grad]
@@ -184,44 +185,14 @@ class _FP8Recompute(torch.autograd.Function):
         return (None, None, None, None, None, *in_grads, *p_grads)
 
 
-class _autocast:
-    """Re-enter the forward's autocast state for every device type in backward."""
-
-    def __init__(self, states):
-        self.ctxs = [torch.autocast(d, dtype=dt, enabled=on) for d, on, dt in states]
-
-    def __enter__(self):
-        for c in self.ctxs:
-            c.__enter__()
-
-    def __exit__(self, *exc):
-        for c in reversed(self.ctxs):
-            c.__exit__(*exc)
-        return False
-
-
-def _replaying(decisions):
-    return decisions.replay() if decisions is not None else _nothing()
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _kv_cache(args, kwargs):
-    """The first transformers ``Cache`` among the call's arguments, or None (transformers not imported: none).
-    Flattened with caches as leaves: transformers can register its caches as pytree nodes (export support),
-    and their flattened tensors would hide them."""
-    cache_utils = sys.modules.get("transformers.cache_utils")
-    cache_type = getattr(cache_utils, "Cache", None)
-    if cache_type is None:
-        return None
-    leaves, _ = tree_flatten((args, kwargs), is_leaf=lambda v: isinstance(v, cache_type))
-    return next((v for v in leaves if isinstance(v, cache_type)), None)
+def _flatten_call(args, kwargs):
+    """(leaves, spec, the first transformers ``Cache`` among them or None). Caches are leaves: transformers can
+    register them as pytree nodes (export support), and their flattened tensors would hide them."""
+    cache_type = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
+    if cache_type is None:  # transformers not imported: no cache
+        return (*tree_flatten((args, kwargs)), None)
+    flat, spec = tree_flatten((args, kwargs), is_leaf=lambda v: isinstance(v, cache_type))
+    return flat, spec, next((v for v in flat if isinstance(v, cache_type)), None)
 
 
 def fp8_checkpoint(fn, module: torch.nn.Module, args, kwargs, policy: ActivationPolicy,
@@ -234,13 +205,12 @@ def fp8_checkpoint(fn, module: torch.nn.Module, args, kwargs, policy: Activation
     runs compiled (a TorchFunctionMode would be traced into its graphs).
     """
     _warn_if_outer_hooks()  # the FP8 inputs are held by the Function, not saved through the hooks
-    cache = _kv_cache(args, kwargs)
+    flat, spec, cache = _flatten_call(args, kwargs)
     if cache is not None:
         raise RuntimeError(
             f"compress_activations(recompute=True) cannot replay {type(module).__name__} with a KV cache "
             f"({type(cache).__name__}: the replay would update it again); pass use_cache=False to the model or set "
             "model.config.use_cache=False for training")
-    flat, spec = tree_flatten((args, kwargs))
     tensor_idx = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
     inputs = [flat[i] for i in tensor_idx]
     params = [p for p in module.parameters() if p.requires_grad]
