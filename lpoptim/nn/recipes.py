@@ -73,18 +73,19 @@ FP8_TENSOR_FAST = Recipe("fp8_tensor_fast", granularity="tensor", fast_accum=Tru
 # fp8_tensor with delayed scaling: no absmax pass over x or dy (docs/linear.md)
 FP8_DELAYED = Recipe("fp8_delayed", granularity="tensor", scaling="delayed")
 FP4 = Recipe("fp4", fwd_fmt="e2m1", dge_k=5.0, dge_cap=3.0, occ_alpha=0.99)
-# the fp8 backward per tensor: measured 1.08-1.13x faster than per row on an H100 (docs/linear.md), error bounds
-# dx 0.08 / dW 0.09 instead of 0.075 / 0.085 (tests/test_linear.py)
-# fp4 without outlier clamping (its sparse residual GEMM is unfused: 0.11-0.16x) and with the backward per tensor,
-# as int4's: 1.42 / 1.33x compiled bf16 on the 7B MLP shapes where fp4 itself runs at 0.16x (docs/linear.md)
+# the fp8 backward per tensor: 0.98 / 1.14 / 1.20x the speed of per row on an H100
+# (docs/results/linear_h100_bwd_granularity.json), error bounds dx 0.08 / dW 0.09 instead of 0.075 / 0.085
+# (tests/test_linear.py)
+# fp4 without outlier clamping (its sparse residual GEMM is unfused: fp4 runs at 0.11-0.15x compiled bf16) and with
+# the backward per tensor, as int4's: 1.45 / 1.33x on the 7B MLP shapes (docs/results/linear_h100.json)
 FP4_FAST = Recipe("fp4_fast", fwd_fmt="e2m1", dge_k=5.0, dge_cap=3.0, bwd_granularity="tensor")
 INT4 = Recipe("int4", fwd_fmt="int4_sym", hadamard_block=128, bwd_granularity="tensor")
 
 RECIPES = {r.name: r for r in (FP8, FP8_TENSOR, FP8_TENSOR_FAST, FP8_DELAYED, FP4, FP4_FAST, INT4)}
 # the short names published benchmark commands used; accepted everywhere a recipe name is
 ALIASES = {"fp8t": "fp8_tensor", "fp8tf": "fp8_tensor_fast", "fp8d": "fp8_delayed", "fp4f": "fp4_fast"}
-# the default of convert_linears, LowBitLinear and the docs: the fastest fp8 recipe measured (1.38-1.68x compiled
-# bf16 per layer on an H100) at the quality of torch AdamW in bf16 (README's results table, docs/linear.md)
+# the default of convert_linears, LowBitLinear and the docs: the fastest fp8 recipe measured (1.54-1.66x compiled
+# bf16 per layer on an H100, docs/results/linear_h100.json) at torch AdamW's quality (README's results table)
 DEFAULT_RECIPE = "fp8_delayed"
 
 
