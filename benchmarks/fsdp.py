@@ -15,8 +15,9 @@ optimizer (model, gradients, states, activations, all-gather buffers), the maxim
 GPU (tokens per GPU per step over the mean step time of the slowest rank). --ac checkpoints each block's
 activations. Targets: 7B per-GPU peak <= 0.55x torch AdamW's, tokens/s >= 0.95x.
 
-Optimizer runs (--optimizers): ``torch`` and ``lpoptim`` as above; ``-bf16`` shards bf16 parameters instead of fp32
-masters (no fp32 copy anywhere; gradients still reduced in fp32, lpoptim rounds the update stochastically);
+Optimizer runs (--optimizers, lpoptim's recipe names): ``torch`` and ``lpoptim`` as above; ``+bf16`` shards bf16
+parameters instead of fp32 masters (no fp32 copy anywhere; gradients still reduced in fp32, lpoptim rounds the
+update stochastically);
 ``+act`` adds compress_activations on every block. Each lpoptim run is compared with ``torch``.
 """
 from __future__ import annotations
@@ -40,6 +41,7 @@ from torch import nn  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lpoptim  # noqa: E402
 from lpoptim.optim import distributed as lpdist  # noqa: E402
+from lpoptim.stack import Stack, parse_stack  # noqa: E402
 from lpoptim.train.llama import PRESETS, Llama, LlamaConfig  # noqa: E402
 
 try:
@@ -95,15 +97,17 @@ def run_one(opt_name: str, c: LlamaConfig, args, device, mesh) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    base, *parts = opt_name.replace("-bf16", "+bf16").split("+")
-    if base not in ("torch", "lpoptim") or not set(parts) <= {"bf16", "act"}:
-        raise SystemExit(f"unknown optimizer run {opt_name!r}: torch or lpoptim, then -bf16 and/or +act")
-    model = build(c, device, mesh, args.ac, "bf16" if "bf16" in parts else "fp32")
-    if "act" in parts:
+    stack = parse_stack(opt_name)  # lpoptim's one recipe vocabulary; this benchmark takes its first parts only
+    if stack.optimizer not in ("torch", "lpoptim") or stack != Stack(stack.optimizer, compress=stack.compress,
+                                                                     master=stack.master):
+        raise SystemExit(f"unknown optimizer run {opt_name!r}: torch or lpoptim, then +bf16 and/or +act")
+    base = stack.optimizer
+    model = build(c, device, mesh, args.ac, stack.master)
+    if stack.compress:
         lpoptim.compress_activations(model.layers)
     params = list(model.parameters())
     if base == "lpoptim":
-        opt = lpoptim.AdamW(params, lr=1e-4, weight_decay=0.1, bf16_stochastic_round="bf16" in parts)
+        opt = lpoptim.AdamW(params, lr=1e-4, weight_decay=0.1, bf16_stochastic_round=stack.master == "bf16")
     else:
         impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[args.torch_impl]
         opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **impl)
@@ -148,7 +152,7 @@ def run_one(opt_name: str, c: LlamaConfig, args, device, mesh) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="tinyllama,llama7b", help="comma list of: " + ",".join(CONFIGS))
-    ap.add_argument("--optimizers", default="torch,lpoptim,lpoptim+act,lpoptim-bf16,lpoptim-bf16+act")
+    ap.add_argument("--optimizers", default="torch,lpoptim,lpoptim+act,lpoptim+bf16,lpoptim+bf16+act")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=10)

@@ -49,7 +49,7 @@ def variant_roundtrip(x, fmt=E4M3, floor_exp=-9, k_min=1.0, zero_free=False):
     valid = (amax > 0) & torch.isfinite(amin)
     span = math.log2(fmt.max) - floor_exp
     k = span / (torch.log2(torch.where(valid, amax, 1.0)) - torch.log2(torch.where(valid, amin, 1.0))).clamp_min(1e-6)
-    k = torch.exp2(torch.floor(torch.log2(k) * 32) / 32).clamp(k_min, 15.75)
+    k = k_on_grid(k, k_min)
     k = torch.where(valid, k, torch.ones_like(k)).unsqueeze(-1)
     c = torch.where(valid, amax, torch.ones_like(amax)).unsqueeze(-1)
     q = round_to_grid(fmt.max * (g.abs() / c).clamp(max=1) ** k, fmt)
