@@ -1,8 +1,9 @@
 """A leaner way to launch lpoptim's Triton kernels from eager code.
 
 ``kernel[grid](*args, **constexprs)`` binds every argument, works out Triton's specialization and looks the compiled
-kernel up on each call: 28-49 us of host time on H100 hosts (triton 3.6; 200 calls queued without a synchronize),
-where the compiled kernel's own launcher takes 7-11. An eager low-bit linear step makes seven such launches, and
+kernel up on each call: 28-49 us of host time on H100 hosts (triton 3.6; 200 calls queued without a synchronize;
+benchmarks/host_costs.py and its files, in git history at commit 038516f), where the compiled kernel's own
+launcher takes 7-11. An eager low-bit linear step makes seven such launches, and
 at 4096 x 4096 its host work was most of the step. ``launcher(kernel)`` keeps, per specialization key of its own, the
 compiled kernel that the first ordinary launch returned, and calls its launcher directly afterwards.
 

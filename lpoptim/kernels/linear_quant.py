@@ -144,7 +144,9 @@ def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, tmax_ptr, R
 
 
 # Tile shapes: rows per program, columns per tile, warps; each the fastest of a sweep on an H100 (torch 2.11,
-# triton 3.6) over 16384 x 4096 and 16384 x 11008 bf16 inputs. Read-only: a tile is a property of the kernel.
+# triton 3.6) over 16384 x 4096 and 16384 x 11008 bf16 inputs (absmax: within 4% of it), by a sweep script and
+# result files kept in git history at commit 038516f (benchmarks/quant_tune.py, docs/results/quant/; the rows,
+# from_max and tensor sweeps also in docs/results/console_h100.md). Read-only: a tile is a property of the kernel.
 TUNING = MappingProxyType({k: MappingProxyType(v) for k, v in {
     # per row: 1.19-1.40 TB/s (0.95-1.26 with 32 x 128)
     "rows": dict(block_r=16, block_c=256, num_warps=4),
