@@ -37,10 +37,21 @@ class InBackwardHandle:
         self._hooks = []
 
 
-def step_in_backward(optimizer, bucket_mb: float = 256) -> InBackwardHandle:
+ACCUMULATION_ERROR = (
+    "lpoptim: a second backward ran before optimizer.step(): the optimizer steps inside backward "
+    "(step_in_backward), so gradients cannot be accumulated over micro-batches, nor clipped by their global norm. "
+    "Call optimizer.step() after every backward, or do not fuse the step (lpoptim.prepare(..., "
+    "step_in_backward=False))")
+
+
+def step_in_backward(optimizer, bucket_mb: float = 256, require_step: bool = False) -> InBackwardHandle:
     """Register post-accumulate-grad hooks that step the parameters of ``optimizer`` (an lpoptim.AdamW) during
     backward, ``bucket_mb`` MiB of gradients at a time (0: each parameter as its gradient arrives), and then set
-    their ``.grad`` to None. Whatever is queued when backward ends is stepped then."""
+    their ``.grad`` to None. Whatever is queued when backward ends is stepped then.
+
+    ``require_step``: the loop still calls ``optimizer.step()`` once per backward (which then finds no gradients
+    and does nothing); a second backward without it raises (before it updates anything) instead of silently
+    stepping once per micro-batch, which is what a loop accumulating gradients would get."""
     if not hasattr(optimizer, "step_params"):
         raise TypeError(f"step_in_backward needs an optimizer with step_params (lpoptim.AdamW), "
                         f"not {type(optimizer).__name__}")
@@ -52,7 +63,7 @@ def step_in_backward(optimizer, bucket_mb: float = 256) -> InBackwardHandle:
     # The handle holds it strongly, so keeping either the optimizer or the handle keeps training going.
     opt_ref = weakref.ref(optimizer)
     pending: dict[int, list] = {}  # group index -> params waiting
-    state = {"bytes": 0, "flush_queued": False}
+    state = {"bytes": 0, "flush_queued": False, "unclaimed_backward": False}
 
     def flush() -> None:
         opt = opt_ref()
@@ -66,6 +77,7 @@ def step_in_backward(optimizer, bucket_mb: float = 256) -> InBackwardHandle:
 
     def at_backward_end() -> None:
         state["flush_queued"] = False
+        state["unclaimed_backward"] = require_step
         flush()
 
     def make_hook(index: int):
@@ -74,6 +86,8 @@ def step_in_backward(optimizer, bucket_mb: float = 256) -> InBackwardHandle:
                 raise RuntimeError("lpoptim.step_in_backward: the optimizer was garbage-collected while its hooks "
                                    "are registered; keep a reference to it (or to the handle step_in_backward "
                                    "returned), or call handle.remove()")
+            if state["unclaimed_backward"]:
+                raise RuntimeError(ACCUMULATION_ERROR)
             pending.setdefault(index, []).append(p)
             state["bytes"] += p.grad.numel() * p.grad.element_size()
             if state["bytes"] >= limit:
@@ -85,4 +99,7 @@ def step_in_backward(optimizer, bucket_mb: float = 256) -> InBackwardHandle:
 
     hooks = [p.register_post_accumulate_grad_hook(make_hook(index))
              for index, group in enumerate(optimizer.param_groups) for p in group["params"]]
+    if require_step:  # optimizer.step() claims the backward that stepped in its place
+        hooks.append(optimizer.register_step_pre_hook(
+            lambda _opt, _args, _kwargs: state.__setitem__("unclaimed_backward", False)))
     return InBackwardHandle(hooks, optimizer)

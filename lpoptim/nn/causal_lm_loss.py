@@ -1,0 +1,122 @@
+"""A Hugging Face causal LM's training loss without its whole logits.
+
+``model(input_ids, labels=labels)`` in an HF ``...ForCausalLM`` computes the LM head over every position (tokens x
+vocabulary, then an fp32 copy and what cross_entropy saves: about 10 bytes per logit, 1.3 GB at 2048 tokens and
+a 64 k vocabulary), only to reduce it to one number. ``chunk_causal_lm_loss(model)`` replaces the model's
+``forward`` (an instance attribute, as ``compress_activations`` does for blocks) by one that, when it is given
+labels with gradients on in training mode, runs the model with ``logits_to_keep=1`` (the head over the last
+position only), takes the decoder's last hidden state from a forward hook, and computes the loss with
+``linear_cross_entropy`` chunk by chunk. The loss is HF's ``ForCausalLMLoss``: labels shifted left by one (or
+``shift_labels`` as given), ``ignore_index`` (-100), the mean over counted targets or the sum over
+``num_items_in_batch`` (what the Trainer passes under gradient accumulation); an MoE model's router loss is added
+as its own forward adds it. The output's ``logits`` are None in that case (they were never made); evaluation,
+``no_grad`` and calls without labels run the model's own forward unchanged.
+
+Models whose logits are more than the head's GEMM (Gemma 2's final soft-capping, Cohere's logit scale, Granite's
+logit scaling), heads with a bias and forwards without ``logits_to_keep`` are refused by ``why_not``: their loss
+is left as it is.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .linear_cross_entropy import linear_cross_entropy
+
+_ATTR = "_lpoptim_chunked_loss"
+# config attributes that put more than the head's GEMM between the hidden states and the logits
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def _decoder(model: nn.Module) -> nn.Module | None:
+    prefix = getattr(model, "base_model_prefix", "")
+    decoder = getattr(model, prefix, None) if prefix else None
+    return decoder if isinstance(decoder, nn.Module) and decoder is not model else None
+
+
+def why_not(model: nn.Module) -> str | None:
+    """Why the loss of ``model`` cannot be computed chunk by chunk (None: it can)."""
+    if not type(model).__name__.endswith("ForCausalLM") and not type(model).__name__.endswith("LMHeadModel"):
+        return f"{type(model).__name__} is not a Hugging Face causal LM"
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not nn.Linear:
+        return f"its output head is a {type(head).__name__}, not an nn.Linear"
+    if head.bias is not None:
+        return "its output head has a bias"
+    config = getattr(model, "config", None)
+    for name in _LOGIT_TRANSFORMS:
+        value = getattr(config, name, None)
+        if value is not None and value != 1.0:
+            return f"its logits are transformed after the head (config.{name}={value})"
+    if "logits_to_keep" not in inspect.signature(type(model).forward).parameters:
+        return f"{type(model).__name__}.forward takes no logits_to_keep"
+    if _decoder(model) is None:
+        return "no decoder found under base_model_prefix"
+    return None
+
+
+class _ChunkedLossForward:
+    """The instance ``forward`` of a model whose training loss is computed chunk by chunk (a class, not a
+    closure, so that it is what ``remove`` recognises)."""
+
+    def __init__(self, model: nn.Module, original, had_forward: bool, chunk: int | None):
+        self.model, self.original, self.had_forward, self.chunk = model, original, had_forward, chunk
+
+    def __call__(self, *args, labels=None, **kwargs):
+        model = self.model
+        if (labels is None or not model.training or not torch.is_grad_enabled()
+                or kwargs.get("logits_to_keep") not in (None, 0)):
+            return self.original(*args, labels=labels, **kwargs)
+        captured = []
+        decoder = _decoder(model)
+        hook = decoder.register_forward_hook(lambda _m, _a, out: captured.append(
+            out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]))
+        try:
+            out = self.original(*args, labels=None, **{**kwargs, "logits_to_keep": 1})
+        finally:
+            hook.remove()
+        hidden = captured[-1]
+        ignore_index = kwargs.get("ignore_index", -100)
+        targets = kwargs.get("shift_labels")
+        if targets is None:
+            targets = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        targets = targets.to(hidden.device)
+        head = model.get_output_embeddings()
+        loss = linear_cross_entropy(hidden, head.weight, targets, chunk=self.chunk, ignore_index=ignore_index)
+        items = kwargs.get("num_items_in_batch")
+        if items is not None:  # HF's reduction="sum" over the items of the whole accumulated batch
+            loss = loss * (targets != ignore_index).sum() / torch.as_tensor(items, device=loss.device)
+        aux = getattr(out, "aux_loss", None)
+        if aux is not None:
+            coef = getattr(model, "router_aux_loss_coef", getattr(model.config, "router_aux_loss_coef", 0.0))
+            loss = loss + coef * aux.to(loss.device)
+        out.loss = loss
+        out.logits = None
+        return out
+
+
+def chunk_causal_lm_loss(model: nn.Module, chunk: int | None = None) -> nn.Module:
+    """Compute the training loss of HF causal LM ``model`` without its whole logits (module docstring); in place,
+    returns ``model``. ValueError, naming why, for a model this cannot serve (``why_not``)."""
+    why = why_not(model)
+    if why:
+        raise ValueError(f"chunk_causal_lm_loss: {why}")
+    if _ATTR in model.__dict__:
+        return model
+    had_forward = "forward" in model.__dict__
+    model.forward = model.__dict__[_ATTR] = _ChunkedLossForward(model, model.forward, had_forward, chunk)
+    return model
+
+
+def restore_causal_lm_loss(model: nn.Module) -> None:
+    """Undo ``chunk_causal_lm_loss``."""
+    fwd = model.__dict__.pop(_ATTR, None)
+    if fwd is None:
+        return
+    if fwd.had_forward:
+        model.forward = fwd.original
+    else:
+        del model.forward

@@ -1,0 +1,279 @@
+"""``lpoptim.prepare(model)``: what pays on this device, applied to the user's model in one call.
+
+    opt = lpoptim.prepare(model, lr=1e-4, weight_decay=0.1)   # model changed in place; an lpoptim.AdamW back
+    for batch in data:
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+The parts, each chosen automatically ("auto") or by the caller (a value, or False/None to refuse it):
+
+- the optimizer: lpoptim.AdamW over the parameters that require gradients (keyword arguments pass through);
+  bf16 parameters are updated with stochastic rounding (no fp32 master copy, no lost updates).
+- ``blocks``: the stack of repeated blocks (an ``nn.ModuleList``, or the name of one, e.g. "model.layers");
+  found automatically as the largest ModuleList of one module class (HF transformers decoders and encoders).
+- ``linears``: the blocks' nn.Linear layers run their GEMMs in FP8 (a ``convert_linears`` recipe). Auto: the
+  default recipe where the blocks are compiled on a GPU with FP8 tensor cores (compute capability >= 8.9), none
+  elsewhere: eager FP8 linears spend more host time quantizing than their GEMMs save.
+- ``activations``: "fp8" (what the blocks save for backward kept in FP8), "recompute" (only each block's input
+  kept, in FP8; blocks recomputed in backward) or None. Auto: None unless the memory budget needs it.
+- ``compile``: each block compiled in place (``block.compile()``: parameter names and state_dict unchanged).
+  Auto: on CUDA.
+- ``step_in_backward``: each parameter updated during backward and its gradient freed at once, so the whole
+  set of gradients never exists. ``opt.step()`` and ``opt.zero_grad()`` stay in the loop (they find nothing left
+  to do); a loop that needs every gradient at once cannot have it: a second backward before ``opt.step()``
+  (gradient accumulation) raises, and clipping by the global norm finds no gradients. Pass
+  ``step_in_backward=False`` for those (and for GradScaler). Auto: on.
+- ``chunked_loss``: an HF causal LM's training loss computed without its whole logits (nn/causal_lm_loss.py).
+  Auto: where the model allows it.
+- HF models: ``config.use_cache`` is turned off (a KV cache built in training costs memory, breaks recompute
+  and makes compiled blocks recompile).
+- ``max_memory_gib``: a budget for the training step's peak. With ``tokens`` (batch x sequence length per
+  step) the plan takes the fastest candidate whose estimated peak fits (lpoptim/memory.py) and raises, naming
+  the estimates, if none does.
+
+The choices and their reasons are in ``opt.plan`` (printed with ``verbose=True``); ``opt.plan.remove()`` undoes
+the wrapping parts (activations, chunked loss, in-backward stepping; converted linears and compiled blocks stay).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn as nn
+
+from .activations import compress_activations
+from .memory import estimate_peak_bytes
+from .nn import convert_linears
+from .nn.causal_lm_loss import chunk_causal_lm_loss, restore_causal_lm_loss, why_not
+from .nn.recipes import DEFAULT_RECIPE, RECIPES, get_recipe
+from .optim import AdamW
+from .optim import step_in_backward as fuse_step_into_backward
+
+AUTO = "auto"
+ACTIVATIONS = (None, "fp8", "recompute")
+
+
+@dataclass
+class Plan:
+    """What ``prepare`` chose, why, and the handles of what it applied."""
+    blocks: str  # the blocks' name in the model, e.g. "model.layers"
+    n_blocks: int
+    linears: str | None
+    activations: str | None
+    compile: bool
+    step_in_backward: bool
+    chunked_loss: bool
+    bf16_stochastic_round: bool
+    use_cache_off: bool
+    reasons: dict = field(default_factory=dict)  # part -> why it is what it is
+    estimate_gib: dict | None = None  # the budget's estimates, candidate name -> GiB (None: no budget given)
+    handles: list = field(default_factory=list, repr=False)
+    model: nn.Module | None = field(default=None, repr=False)
+
+    def candidate(self) -> str:
+        parts = [f"{self.linears} linears" if self.linears else "linears unchanged", {None: "activations as autograd saves them", "fp8": "FP8 activations",
+                                                  "recompute": "FP8 block inputs + recompute"}[self.activations]]
+        return ", ".join(parts)
+
+    def summary(self) -> str:
+        rows = [("blocks", f"{self.blocks} ({self.n_blocks} x {self.block_class})"),
+                ("linears", self.linears or "unchanged"), ("activations", self.activations or "unchanged"),
+                ("compile", "each block" if self.compile else "no"),
+                ("step_in_backward", "yes" if self.step_in_backward else "no"),
+                ("chunked_loss", "yes" if self.chunked_loss else "no"),
+                ("bf16_stochastic_round", "yes" if self.bf16_stochastic_round else "no"),
+                ("use_cache", "turned off" if self.use_cache_off else "unchanged")]
+        lines = ["lpoptim.prepare:"]
+        for key, value in rows:
+            why = self.reasons.get(key)
+            lines.append(f"  {key:22s} {value}" + (f"  ({why})" if why else ""))
+        if self.estimate_gib:
+            lines.append("  estimated peak, GiB:   " + "; ".join(f"{k} {v:.1f}" for k, v in self.estimate_gib.items()))
+        return "\n".join(lines)
+
+    @property
+    def block_class(self) -> str:
+        blocks = self.model.get_submodule(self.blocks) if self.model is not None else None
+        return type(blocks[0]).__name__ if blocks is not None and len(blocks) else "?"
+
+    def remove(self) -> None:
+        """Undo the wrapping parts (FP8 activations, the chunked loss, the step in backward)."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        if self.model is not None:
+            restore_causal_lm_loss(self.model)
+
+
+class _LossHandle:
+    def __init__(self, model):
+        self.model = model
+
+    def remove(self):
+        restore_causal_lm_loss(self.model)
+
+
+def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The model's stack of blocks: the ModuleList of two or more modules of one class holding the most parameters
+    (``model.layers`` of HF Llama, ``transformer.h`` of GPT-2, ``encoder.layer`` of BERT)."""
+    best, best_size = None, 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) >= 2 and len({type(m) for m in mod}) == 1:
+            size = sum(p.numel() for p in mod.parameters())
+            if size > best_size:
+                best, best_size = (name, mod), size
+    if best is None:
+        raise ValueError(f"lpoptim.prepare: no stack of blocks found in {type(model).__name__} (an nn.ModuleList of "
+                         f"two or more modules of one class); name it: prepare(model, blocks='path.to.layers')")
+    return best
+
+
+def _blocks(model: nn.Module, blocks) -> tuple[str, nn.ModuleList]:
+    if blocks is None:
+        return find_blocks(model)
+    if isinstance(blocks, str):
+        try:
+            mod = model.get_submodule(blocks)
+        except AttributeError as e:
+            raise ValueError(f"lpoptim.prepare: blocks={blocks!r}: {e}") from None
+        if not isinstance(mod, nn.ModuleList):
+            raise ValueError(f"lpoptim.prepare: blocks={blocks!r} is a {type(mod).__name__}, not an nn.ModuleList")
+        return blocks, mod
+    if isinstance(blocks, nn.ModuleList):
+        name = next((n for n, m in model.named_modules() if m is blocks), None)
+        if name is None:
+            raise ValueError("lpoptim.prepare: the blocks given are not part of the model")
+        return name, blocks
+    raise TypeError(f"lpoptim.prepare: blocks is a name or an nn.ModuleList, got {type(blocks).__name__}")
+
+
+def _hf_checkpointing(model: nn.Module) -> bool:
+    """Whether HF gradient checkpointing is on (``is_activation_checkpointing`` in newer transformers)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if name in dir(type(model)):
+            return bool(getattr(model, name))
+    return False
+
+
+def _check_choice(name: str, value, allowed) -> None:
+    if value != AUTO and value not in allowed:
+        raise ValueError(f"lpoptim.prepare: {name}={value!r}; expected 'auto' or one of {list(allowed)}")
+
+
+def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compile=AUTO, step_in_backward=AUTO,
+         chunked_loss=AUTO, max_memory_gib: float | None = None, tokens: int | None = None) -> Plan:
+    """What ``prepare`` would do to ``model`` with these options, and why; changes nothing."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"lpoptim.prepare takes an nn.Module, got {type(model).__name__}")
+    _check_choice("linears", linears, (None, False, *RECIPES))
+    _check_choice("activations", activations, (*ACTIVATIONS, False))
+    for name, value in (("compile", compile), ("step_in_backward", step_in_backward), ("chunked_loss", chunked_loss)):
+        _check_choice(name, value, (True, False))
+    if max_memory_gib is not None:
+        if not (isinstance(max_memory_gib, (int, float)) and max_memory_gib > 0):
+            raise ValueError(f"lpoptim.prepare: max_memory_gib must be a positive number, got {max_memory_gib!r}")
+        if not (isinstance(tokens, int) and tokens > 0):
+            raise ValueError("lpoptim.prepare: max_memory_gib needs tokens= (batch x sequence length of one step) "
+                             "to estimate the activations")
+    name, stack = _blocks(model, blocks)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("lpoptim.prepare: the model has no parameters that require gradients")
+    device = params[0].device
+    cuda = device.type == "cuda"
+    fp8_cores = cuda and torch.cuda.get_device_capability(device) >= (8, 9)
+    reasons = {}
+
+    if compile == AUTO:
+        compile = cuda
+        reasons["compile"] = "CUDA" if cuda else "not on CUDA"
+    if linears == AUTO:
+        if compile and fp8_cores:
+            linears, reasons["linears"] = DEFAULT_RECIPE, "compiled blocks on FP8 tensor cores"
+        else:
+            linears = None
+            reasons["linears"] = ("no FP8 tensor cores" if not fp8_cores else
+                                  "eager: quantizing costs more host time than the FP8 GEMMs save")
+        linear_choices = [linears]
+    else:
+        linears = linears or None
+        linear_choices = [linears]
+    if step_in_backward == AUTO:
+        step_in_backward = True
+        reasons["step_in_backward"] = "no whole set of gradients; pass False for clipping or accumulation"
+    if chunked_loss == AUTO:
+        why = why_not(model)
+        chunked_loss = why is None
+        reasons["chunked_loss"] = "no whole logits" if why is None else why
+    elif chunked_loss:
+        why = why_not(model)
+        if why:
+            raise ValueError(f"lpoptim.prepare: chunked_loss=True, but {why}")
+    if _hf_checkpointing(model) and activations in (AUTO, "fp8", "recompute"):
+        if activations != AUTO:
+            raise ValueError("lpoptim.prepare: the model has HF gradient checkpointing on; FP8 activations replace "
+                             "it (model.gradient_checkpointing_disable()), or pass activations=None")
+        activations, reasons["activations"] = None, "HF gradient checkpointing already recomputes the blocks"
+    activation_choices = list(ACTIVATIONS) if activations == AUTO else [activations or None]
+
+    config = getattr(model, "config", None)
+    use_cache_off = bool(getattr(config, "use_cache", False))
+    bf16 = any(p.dtype == torch.bfloat16 for p in params)
+    result = Plan(blocks=name, n_blocks=len(stack), linears=linears, activations=activation_choices[0],
+                  compile=bool(compile), step_in_backward=bool(step_in_backward), chunked_loss=bool(chunked_loss),
+                  bf16_stochastic_round=bf16, use_cache_off=use_cache_off, reasons=reasons, model=model)
+    if bf16:
+        reasons["bf16_stochastic_round"] = "bf16 parameters: no fp32 master copy"
+    if max_memory_gib is None:
+        if activations == AUTO:
+            reasons["activations"] = "no memory budget given: the fastest"
+        return result
+    # the candidates, fastest first: the budget takes the first that fits
+    candidates = [replace(result, linears=lin, activations=act) for act in activation_choices for lin in linear_choices]
+    estimates = {c.candidate(): estimate_peak_bytes(model, stack, c, tokens) / 2**30 for c in candidates}
+    result.estimate_gib = estimates
+    for c in candidates:
+        if estimates[c.candidate()] <= max_memory_gib:
+            result.linears, result.activations = c.linears, c.activations
+            reasons["activations"] = f"the fastest whose estimated peak fits {max_memory_gib} GiB"
+            return result
+    raise ValueError(f"lpoptim.prepare: nothing fits max_memory_gib={max_memory_gib} at {tokens} tokens a step; "
+                     "estimated peaks: " + "; ".join(f"{k}: {v:.1f} GiB" for k, v in estimates.items()))
+
+
+def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, linears=AUTO, activations=AUTO,
+            compile=AUTO, step_in_backward=AUTO, chunked_loss=AUTO, max_memory_gib: float | None = None,
+            tokens: int | None = None, verbose: bool = False, **optimizer_kwargs) -> AdamW:
+    """Apply what pays to ``model`` (in place) and return its lpoptim.AdamW; the module docstring says what.
+
+    Every argument is checked, and the plan made, before the model is touched."""
+    result = plan(model, blocks=blocks, linears=linears, activations=activations, compile=compile,
+                  step_in_backward=step_in_backward, chunked_loss=chunked_loss, max_memory_gib=max_memory_gib,
+                  tokens=tokens)
+    if result.bf16_stochastic_round:
+        optimizer_kwargs.setdefault("bf16_stochastic_round", True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = AdamW(params, lr=lr, **optimizer_kwargs)  # its argument errors before the model changes
+    stack = model.get_submodule(result.blocks)
+    if result.use_cache_off:
+        model.config.use_cache = False
+    if result.linears:
+        get_recipe(result.linears)
+        for block in stack:
+            convert_linears(block, result.linears)
+    if result.activations:
+        result.handles.append(compress_activations(stack, recompute=result.activations == "recompute"))
+    if result.compile:
+        for block in stack:
+            block.compile()
+    if result.chunked_loss:
+        chunk_causal_lm_loss(model)
+        result.handles.append(_LossHandle(model))
+    if result.step_in_backward:
+        result.handles.append(fuse_step_into_backward(opt, require_step=True))
+    opt.plan = result
+    if verbose:
+        print(result.summary())
+    return opt
