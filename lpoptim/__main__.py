@@ -207,15 +207,31 @@ def cmd_bench(ap: Parser, args, argv) -> int:
     device = resolve_device(ap, args.device)
     if args.memory_cap_gib is not None and device != "cuda":
         ap.error("--memory-cap-gib caps the CUDA allocator: it needs CUDA")
-    preset = args.preset or ("tinyllama-1.1b" if device == "cuda" else "tiny")
-    batch, seq = bench.DEFAULT_SHAPE[preset]
+    hf_config = None
+    if args.hf_config is not None:
+        if args.preset:
+            ap.error("--preset and --hf-config exclude each other")
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            ap.error("--hf-config needs transformers (pip install transformers)")
+        try:
+            hf_config = bench.load_hf_config(args.hf_config)
+        except (ValueError, OSError, json.JSONDecodeError) as e:
+            ap.error(str(e).splitlines()[0])
+        preset = Path(args.hf_config).stem if Path(args.hf_config).suffix == ".json" else Path(args.hf_config).name
+        batch, seq = bench.HF_DEFAULT_SHAPE[device]
+    else:
+        preset = args.preset or ("tinyllama-1.1b" if device == "cuda" else "tiny")
+        batch, seq = bench.DEFAULT_SHAPE[preset]
     batch, seq = args.batch or batch, args.seq or seq
+    recipes = args.recipes or stack_list(",".join(bench.HF_DEFAULT_RECIPES if hf_config else bench.DEFAULT_RECIPES))
     out_dir = make_out_dir(ap, args.out)
-    names = [s.name for s in args.recipes]
+    names = [s.name for s in recipes]
     print(f"lpoptim bench: {preset}, {batch} x {seq} tokens, {device}", file=sys.stderr)
     report = bench.run(preset, names, batch, seq, args.steps, args.warmup, device,
                        compile_blocks=args.compile, log=lambda s: print(s, file=sys.stderr, flush=True),
-                       n_layer=args.n_layer, memory_cap_gib=args.memory_cap_gib)
+                       n_layer=args.n_layer, memory_cap_gib=args.memory_cap_gib, hf_config=hf_config)
     report["command"] = shlex.join(["python", "-m", "lpoptim", *argv])
     paths = bench.write(report, out_dir)
     print("\n" + bench.table(report))
@@ -228,7 +244,7 @@ def cmd_bench(ap: Parser, args, argv) -> int:
 
 
 def parser() -> Parser:
-    from .bench import DEFAULT_RECIPES, DEFAULT_SHAPE
+    from .bench import DEFAULT_RECIPES, DEFAULT_SHAPE, HF_DEFAULT_RECIPES
 
     raw = argparse.RawDescriptionHelpFormatter
     ap = Parser(prog="lpoptim", description=__doc__, formatter_class=raw)
@@ -252,8 +268,12 @@ def parser() -> Parser:
                    help="model shape (default: tiny on CPU, tinyllama-1.1b on GPU)")
     b.add_argument("--batch", type=positive_int, help="sequences per step (default: tiny 2, tinyllama 4, larger 1)")
     b.add_argument("--seq", type=positive_int, help="tokens per sequence (default: tiny 64, others 2048)")
-    b.add_argument("--recipes", type=stack_list, default=stack_list(",".join(DEFAULT_RECIPES)),
-                   help=f"comma-separated recipes (default: {','.join(DEFAULT_RECIPES)}); the first is the baseline")
+    b.add_argument("--hf-config", metavar="PATH",
+                   help="a Hugging Face config.json (or a folder holding one, or a bundled name: llama2-7b, "
+                        "llama2-13b): that causal LM, random init, no download, instead of --preset")
+    b.add_argument("--recipes", type=stack_list,
+                   help=f"comma-separated recipes (default: {','.join(DEFAULT_RECIPES)}; with --hf-config "
+                        f"{','.join(HF_DEFAULT_RECIPES)}); the first is the baseline")
     b.add_argument("--steps", type=positive_int, default=5, help="timed steps (median), after --warmup")
     b.add_argument("--warmup", type=positive_int, default=2,
                    help="untimed steps first (kernel compilation, state allocation); the last measures memory")

@@ -31,6 +31,7 @@ import torch
 from .nn.recipes import DEFAULT_RECIPE
 from .stack import Stack, parse_stack
 from .train.llama import PRESETS, Llama, LlamaConfig
+from .memory import estimate_peak_bytes
 from .train.loop import RunConfig, build_optimizer
 
 
@@ -40,6 +41,11 @@ DEFAULT_RECIPES = ("torch", "torch+bf16", "lpoptim", "lpoptim+bf16", "lpoptim+ac
                    "lpoptim+fp4+act", "lpoptim+int4+act", "bnb", "torchao")
 
 
+# what `lpoptim bench --hf-config` runs without --recipes: what a torch user runs, the competitors, then lpoptim
+HF_DEFAULT_RECIPES = ("torch+bf16", "torch+bf16+ckpt", "bnb+bf16+ckpt", "prepare+bf16", "lpoptim+bf16+bwd+ce+ckpt",
+                      "lpoptim+bf16+act+bwd+ce", f"lpoptim+bf16+{DEFAULT_RECIPE}+bwd+ce")
+HF_DEFAULT_SHAPE = {"cuda": (1, 2048), "cpu": (2, 64)}
+
 # (batch, seq) when not given on the command line
 DEFAULT_SHAPE = {"tiny": (2, 64), "tinyllama-1.1b": (4, 2048), "llama2-7b": (1, 2048), "llama2-13b": (1, 2048),
                  "llama-30b": (1, 2048)}
@@ -47,8 +53,14 @@ DEFAULT_SHAPE = {"tiny": (2, 64), "tinyllama-1.1b": (4, 2048), "llama2-7b": (1, 
 PARTS = ("params", "grads", "states", "activations")
 
 
-def unavailable(stack: Stack, device: str, compile_blocks: bool = False) -> str | None:
-    """Why ``stack`` cannot run here (None: it can)."""
+def unavailable(stack: Stack, device: str, compile_blocks: bool = False, hf: bool = False) -> str | None:
+    """Why ``stack`` cannot run here (None: it can); ``hf``: on a Hugging Face model (--hf-config)."""
+    if stack.hf_checkpointing and not hf:
+        return "+ckpt is the HF model's own gradient checkpointing: it needs --hf-config"
+    if stack.optimizer == "prepare" and not hf:
+        return "prepare is lpoptim.prepare on a Hugging Face model: it needs --hf-config"
+    if stack.cuda_graphs and hf:
+        return "+cg is not offered with --hf-config"
     if stack.activation_budget is not None and not compile_blocks:
         return "+sacNN is a budget for Inductor's partitioner: it needs --compile"
     if stack.cuda_graphs and not (compile_blocks and device == "cuda"):
@@ -137,7 +149,86 @@ def build(stack: Stack, cfg: LlamaConfig, device: str, compile_blocks: bool):
         from .optim import step_in_backward
 
         step_in_backward(opt)
-    return model, opt, handle
+    return model, opt, handle, {}
+
+
+def load_hf_config(path: str):
+    """A transformers config from a config.json, a folder holding one, or the name of one bundled with lpoptim
+    (lpoptim/data/hf_configs: llama2-7b, llama2-13b)."""
+    from transformers import AutoConfig
+
+    p = Path(path)
+    if not p.exists() and (HF_CONFIGS / f"{path}.json").is_file():
+        p = HF_CONFIGS / f"{path}.json"
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        bundled = ", ".join(sorted(q.stem for q in HF_CONFIGS.glob("*.json")))
+        raise ValueError(f"--hf-config {path}: no such config.json (bundled names: {bundled})")
+    fields = json.loads(p.read_text())
+    if "model_type" not in fields:
+        raise ValueError(f"--hf-config {path}: {p} has no model_type")
+    cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    cfg.use_cache = False
+    return cfg
+
+
+HF_CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+
+
+def build_hf(stack: Stack, hf_config, device: str, compile_blocks: bool, tokens: int):
+    """An HF causal LM built from ``hf_config`` (random init, no download) and its optimizer, for one stack:
+    lpoptim stacks through lpoptim.prepare with the stack's parts as its options; the others as a torch user
+    would run them (the decoder layers compiled in place, torch AdamW fused)."""
+    from transformers import AutoModelForCausalLM
+
+    from .prepare import find_blocks, plan, prepare
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if stack.master == "bf16" else torch.float32
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).train()
+    model.config.use_cache = False
+    if stack.hf_checkpointing:
+        model.gradient_checkpointing_enable()
+    lr, betas = 1e-4, (0.9, 0.95)
+    info = {}
+    if stack.optimizer in ("lpoptim", "prepare"):
+        if stack.optimizer == "prepare":
+            options = {}
+        else:
+            options = dict(linears=stack.linears, compile=compile_blocks, step_in_backward=stack.in_backward,
+                           chunked_loss=stack.chunked_loss,
+                           activations="recompute" if stack.recompute else "fp8" if stack.compress else None)
+        chosen = plan(model, **options)
+        info["plan"] = chosen.summary()
+        info["estimated_peak_bytes"] = estimate_peak_bytes(model, model.get_submodule(chosen.blocks), chosen, tokens)
+        opt = prepare(model, lr, betas=betas, weight_decay=0.1, **options)
+        return model, opt, None, info
+    if stack.linears == "torchao":
+        from torchao.float8 import convert_to_float8_training
+
+        convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: "lm_head" not in fqn)
+    elif stack.linears:
+        from .nn import convert_linears
+
+        for block in find_blocks(model)[1]:
+            convert_linears(block, stack.linears)
+    if compile_blocks:
+        for block in find_blocks(model)[1]:
+            block.compile()
+    params = [p for p in model.parameters() if p.requires_grad]
+    if stack.optimizer == "torch":
+        opt = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=0.1, fused=device == "cuda")
+    elif stack.optimizer == "bnb":
+        import bitsandbytes as bnb
+
+        opt = bnb.optim.AdamW8bit(params, lr=lr, betas=betas, weight_decay=0.1)
+    else:
+        from torchao.optim import AdamWFp8
+
+        opt = AdamWFp8(params, lr=lr, betas=betas, weight_decay=0.1)
+    return model, opt, None, info
 
 
 def saved_bytes(model, handle, fwd) -> tuple[object, int]:
@@ -176,22 +267,30 @@ def autocast_loss(model, x, y, device: str) -> torch.Tensor:
         return model(x, y)[1]
 
 
-def run_stack(stack: Stack, cfg: LlamaConfig, batch: int, seq: int, steps: int, warmup: int, device: str,
+def run_stack(stack: Stack, cfg, batch: int, seq: int, steps: int, warmup: int, device: str,
               compile_blocks: bool) -> dict:
+    """One stack's figures; ``cfg`` is a LlamaConfig (lpoptim's own model) or a transformers config."""
     with stack_context(stack, compile_blocks):
         return _run_stack(stack, cfg, batch, seq, steps, warmup, device, compile_blocks)
 
 
-def _run_stack(stack: Stack, cfg: LlamaConfig, batch: int, seq: int, steps: int, warmup: int, device: str,
+def _run_stack(stack: Stack, cfg, batch: int, seq: int, steps: int, warmup: int, device: str,
                compile_blocks: bool) -> dict:
     cuda = device == "cuda"
-    model, opt, handle = build(stack, cfg, device, compile_blocks)
+    hf = not isinstance(cfg, LlamaConfig)
+    if hf:
+        model, opt, handle, info = build_hf(stack, cfg, device, compile_blocks, batch * seq)
+    else:
+        model, opt, handle, info = build(stack, cfg, device, compile_blocks)
     gen = torch.Generator(device=device).manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device, generator=gen)
     x, y = tokens[:, :-1], tokens[:, 1:]
     mem = {}
 
     def forward():
+        if hf:  # HF shifts the labels itself
+            with torch.autocast(device, dtype=torch.bfloat16, cache_enabled=False):
+                return model(input_ids=x, labels=x).loss
         return autocast_loss(model, x, y, device)
 
     def step(measure: bool):
@@ -212,7 +311,12 @@ def _run_stack(stack: Stack, cfg: LlamaConfig, batch: int, seq: int, steps: int,
         return loss
 
     for i in range(warmup):
+        t0 = time.perf_counter()
         step(measure=i == warmup - 1)
+        if i == 0:  # the first step, compilation and state allocation included
+            if cuda:
+                torch.cuda.synchronize()
+            first_step = time.perf_counter() - t0
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -244,7 +348,7 @@ def _run_stack(stack: Stack, cfg: LlamaConfig, batch: int, seq: int, steps: int,
                 peak_kind="reserved" if stack.cuda_graphs else "allocated" if cuda else "estimate",
                 **{f"{k}_bytes": None if mem[k] is None else int(mem[k]) for k in PARTS}, params=n_params,
                 state_bytes_per_param=mem["states"] / n_params, step_seconds=seconds,
-                tokens_per_s=batch * seq / seconds, loss=float(losses[-1]))
+                tokens_per_s=batch * seq / seconds, loss=float(losses[-1]), first_step_seconds=first_step, **info)
 
 
 def free_memory(compiled: bool = False):
@@ -255,13 +359,29 @@ def free_memory(compiled: bool = False):
         torch.cuda.empty_cache()
 
 
+def hf_summary(cfg) -> dict:
+    """The fields of a transformers config that the table's title shows."""
+    get = lambda *names: next((getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), None)  # noqa: E731
+    return dict(architecture=(cfg.architectures or [cfg.model_type])[0], model_type=cfg.model_type,
+                n_layer=get("num_hidden_layers", "n_layer"), d_model=get("hidden_size", "n_embd"),
+                ffn_dim=get("intermediate_size", "n_inner"), n_head=get("num_attention_heads", "n_head"),
+                n_kv_head=get("num_key_value_heads", "num_attention_heads", "n_head"), vocab_size=cfg.vocab_size)
+
+
 def run(preset: str, recipes: list[str], batch: int, seq: int, steps: int, warmup: int, device: str,
-        compile_blocks: bool = False, log=print, n_layer: int | None = None, memory_cap_gib: float | None = None) -> dict:
+        compile_blocks: bool = False, log=print, n_layer: int | None = None, memory_cap_gib: float | None = None,
+        hf_config=None) -> dict:
     """Benchmark each recipe in turn; returns the dict written to bench.json.
 
-    ``n_layer`` overrides the preset's depth; ``memory_cap_gib`` caps the CUDA allocator (an 80 GB GPU's budget
-    on a larger one: torch.cuda.set_per_process_memory_fraction)."""
-    cfg = PRESETS[preset] if n_layer is None else replace(PRESETS[preset], n_layer=n_layer)
+    ``hf_config``: a transformers config (load_hf_config) to build instead of the preset (``preset`` then names
+    it); ``n_layer`` overrides the depth; ``memory_cap_gib`` caps the CUDA allocator (an 80 GB GPU's budget on a
+    larger one: torch.cuda.set_per_process_memory_fraction)."""
+    if hf_config is not None:
+        cfg = hf_config
+        if n_layer is not None:
+            cfg.num_hidden_layers = n_layer
+    else:
+        cfg = PRESETS[preset] if n_layer is None else replace(PRESETS[preset], n_layer=n_layer)
     if memory_cap_gib is not None:
         if device != "cuda":
             raise ValueError("--memory-cap-gib needs CUDA")
@@ -272,7 +392,7 @@ def run(preset: str, recipes: list[str], batch: int, seq: int, steps: int, warmu
     for name in recipes:
         stack = parse_stack(name)
         row = dict(recipe=stack.name, label=stack.label, master=stack.master, activation_budget=stack.activation_budget)
-        why = unavailable(stack, device, compile_blocks)
+        why = unavailable(stack, device, compile_blocks, hf=hf_config is not None)
         if why:
             log(f"  {name}: skipped, {why}")
             results.append(dict(row, skipped=why))
@@ -297,8 +417,9 @@ def run(preset: str, recipes: list[str], batch: int, seq: int, steps: int, warmu
         free_memory(compile_blocks)
         results.append(row)
     env = dict(environment(), device=device, memory_cap_gib=memory_cap_gib)
-    return dict(env=env, preset=preset, model=asdict(cfg), batch=batch, seq=seq, steps=steps, warmup=warmup,
-                compile=compile_blocks, peak_measured=device == "cuda", results=results)
+    model = hf_summary(cfg) if hf_config is not None else asdict(cfg)
+    return dict(env=env, preset=preset, hf=hf_config is not None, model=model, batch=batch, seq=seq, steps=steps,
+                warmup=warmup, compile=compile_blocks, peak_measured=device == "cuda", results=results)
 
 
 def _version(package: str) -> str | None:
@@ -338,8 +459,9 @@ def table(report: dict) -> str:
     peak_name = f"peak {unit}" if cuda else f"peak {unit} (est.)"
     env, m = report["env"], report["model"]
     base = next((r for r in report["results"] if "tokens_per_s" in r), None)
+    kind = f"HF {m['architecture']}" if report.get("hf") else "Llama-style"
     lines = [
-        f"{report['preset']} (Llama-style: {m['n_layer']} layers, d {m['d_model']}, ffn {m['ffn_dim']}, "
+        f"{report['preset']} ({kind}: {m['n_layer']} layers, d {m['d_model']}, ffn {m['ffn_dim']}, "
         f"{m['n_head']}/{m['n_kv_head']} heads, vocab {m['vocab_size']}), batch {report['batch']} x {report['seq']}, "
         f"bf16 autocast, fp32 master (bf16 for +bf16 recipes), {'blocks compiled' if report['compile'] else 'eager'}; "
         f"median of {report['steps']} steps after {report['warmup']} warm-up",
@@ -367,6 +489,8 @@ def table(report: dict) -> str:
         key = "peak_reserved_bytes" if r.get("peak_kind") == "reserved" else "peak_bytes"
         if key != "peak_bytes":
             cells[0] += " (reserved)"
+        if r.get("estimated_peak_bytes") and cuda:  # prepare's estimate beside the measured peak
+            cells[0] += f" (est. {r['estimated_peak_bytes'] / div:.1f})"
         rel = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x tok/s, {r[key] / base[key]:.2f}x mem"
         lines.append(f"| {r['recipe']} | " + " | ".join(cells) +
                      f" | {r['state_bytes_per_param']:.2f} | {r['tokens_per_s']:,.0f} | {rel} |")

@@ -17,6 +17,7 @@ OPTIMIZERS = {
     "lpoptim": "lpoptim.AdamW",
     "bnb": "bitsandbytes AdamW8bit",
     "torchao": "torchao AdamWFp8 + float8 linears",
+    "prepare": "lpoptim.prepare(model) with its own choices (alone, or with +bf16)",
 }
 
 PARTS = {
@@ -27,6 +28,7 @@ PARTS = {
     "ce": "LM head and loss chunk by chunk, no whole logits (linear_cross_entropy)",
     "sacNN": "with --compile: Inductor keeps NN% of the activations (1-100), recomputes the rest",
     "cg": "with --compile on CUDA: compiled blocks replayed as CUDA graphs",
+    "ckpt": "with --hf-config: the model's own (HF) gradient checkpointing",
     "<linear recipe>": ", ".join(RECIPES) + f" (convert_linears; default {DEFAULT_RECIPE})",
 }
 
@@ -48,6 +50,7 @@ class Stack:
     # compiled blocks only: torch.compile mode "reduce-overhead". Their intermediates live in a private pool that
     # the allocator's "allocated" figure does not see during replays, so bench reports the reserved peak.
     cuda_graphs: bool = False
+    hf_checkpointing: bool = False  # HF models: gradient_checkpointing_enable()
 
     @property
     def name(self) -> str:
@@ -60,6 +63,7 @@ class Stack:
         parts += ["ce"] if self.chunked_loss else []
         parts += [f"sac{round(self.activation_budget * 100)}"] if self.activation_budget is not None else []
         parts += ["cg"] if self.cuda_graphs else []
+        parts += ["ckpt"] if self.hf_checkpointing else []
         return "+".join(parts)
 
     @property
@@ -81,6 +85,8 @@ class Stack:
             words.append(f"Inductor keeps {round(self.activation_budget * 100)}% of activations")
         if self.cuda_graphs:
             words.append("CUDA graphs")
+        if self.hf_checkpointing:
+            words.append("HF gradient checkpointing")
         return ", ".join(words)
 
 
@@ -95,7 +101,7 @@ def parse_stack(name: str) -> Stack:
     """The Stack a name spells; ValueError (naming the valid parts) for anything else."""
     def bad(why: str) -> ValueError:
         return ValueError(f"recipe {name!r}: {why}; a recipe is an optimizer ({', '.join(OPTIMIZERS)}) followed by "
-                          f"+parts: bf16, act, rec, bwd, ce, sacNN, cg, or a linear recipe ({', '.join(RECIPES)})")
+                          f"+parts: bf16, act, rec, bwd, ce, sacNN, cg, ckpt, or a linear recipe ({', '.join(RECIPES)})")
 
     if not isinstance(name, str):
         raise TypeError(f"a recipe name is a string, got {type(name).__name__}")
@@ -121,6 +127,8 @@ def parse_stack(name: str) -> Stack:
             kw["chunked_loss"] = True
         elif p == "cg":
             kw["cuda_graphs"] = True
+        elif p == "ckpt":
+            kw["hf_checkpointing"] = True
         elif p.startswith("sac"):
             pct = p[3:]
             if not (pct.isascii() and pct.isdigit() and 0 < int(pct) <= 100):
@@ -134,4 +142,8 @@ def parse_stack(name: str) -> Stack:
             raise bad(f"unknown part {p!r}")
     if kw.get("in_backward") and optimizer != "lpoptim":
         raise bad("bwd (step_in_backward) needs the lpoptim optimizer")
+    if optimizer == "prepare" and set(parts) - {"bf16"}:
+        raise bad("prepare makes its own choices: it takes +bf16 only")
+    if kw.get("hf_checkpointing") and kw.get("compress"):
+        raise bad("ckpt (HF gradient checkpointing) and act/rec exclude each other")
     return Stack(**kw)
