@@ -37,6 +37,13 @@ def _decoder(model: nn.Module) -> nn.Module | None:
     return decoder if isinstance(decoder, nn.Module) and decoder is not model else None
 
 
+def _hidden_sources(decoder: nn.Module) -> list[nn.Module]:
+    """The modules whose output is the last hidden state: the base model and, where it has one, its ``decoder``
+    (OPTForCausalLM calls ``self.model.decoder`` directly, so the base model's own forward never runs)."""
+    inner = getattr(decoder, "decoder", None)
+    return [decoder] + ([inner] if isinstance(inner, nn.Module) else [])
+
+
 def why_not(model: nn.Module) -> str | None:
     """Why the loss of ``model`` cannot be computed chunk by chunk (None: it can)."""
     if not type(model).__name__.endswith("ForCausalLM") and not type(model).__name__.endswith("LMHeadModel"):
@@ -64,20 +71,29 @@ class _ChunkedLossForward:
 
     def __init__(self, model: nn.Module, original, had_forward: bool, chunk: int | None):
         self.model, self.original, self.had_forward, self.chunk = model, original, had_forward, chunk
+        # what inspect.signature(model.forward) reports: the HF Trainer keeps only the dataset columns the forward
+        # names (remove_unused_columns), and would drop input_ids against (*args, labels=None, **kwargs)
+        self.__signature__ = inspect.signature(original)
 
     def __call__(self, *args, labels=None, **kwargs):
         model = self.model
+        keep = kwargs.get("logits_to_keep")
         if (labels is None or not model.training or not torch.is_grad_enabled()
-                or kwargs.get("logits_to_keep") not in (None, 0)):
+                or not (keep is None or (isinstance(keep, int) and keep == 0))):
             return self.original(*args, labels=labels, **kwargs)
         captured = []
-        decoder = _decoder(model)
-        hook = decoder.register_forward_hook(lambda _m, _a, out: captured.append(
+        hooks = [m.register_forward_hook(lambda _m, _a, out: captured.append(
             out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]))
+            for m in _hidden_sources(_decoder(model))]
         try:
             out = self.original(*args, labels=None, **{**kwargs, "logits_to_keep": 1})
         finally:
-            hook.remove()
+            for h in hooks:
+                h.remove()
+        if not captured:
+            raise RuntimeError(f"lpoptim chunked loss: {type(model).__name__}.forward did not run its base model "
+                               "(no last hidden state seen); restore_causal_lm_loss(model) or prepare(..., "
+                               "chunked_loss=False)")
         hidden = captured[-1]
         ignore_index = kwargs.get("ignore_index", -100)
         targets = kwargs.get("shift_labels")

@@ -90,11 +90,12 @@ def step_in_backward(optimizer, bucket_mb: float = 256, require_step: bool = Fal
                 raise RuntimeError(ACCUMULATION_ERROR)
             pending.setdefault(index, []).append(p)
             state["bytes"] += p.grad.numel() * p.grad.element_size()
-            if state["bytes"] >= limit:
-                flush()
-            elif not state["flush_queued"]:  # the engine runs this once the whole backward is done
+            if not state["flush_queued"]:  # the engine runs this once the whole backward is done (queued even
+                # when every parameter fills a bucket of its own, bucket_mb=0: it marks the backward for require_step)
                 torch.autograd.Variable._execution_engine.queue_callback(at_backward_end)
                 state["flush_queued"] = True
+            if state["bytes"] >= limit:
+                flush()
         return hook
 
     hooks = [p.register_post_accumulate_grad_hook(make_hook(index))
