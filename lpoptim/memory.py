@@ -54,15 +54,14 @@ def estimate_peak_bytes(model: nn.Module, blocks: nn.ModuleList, plan, tokens: i
     grads = [p.numel() * p.element_size() for p in params]
     elem = min(p.element_size() for p in blocks.parameters())
     per_block_token = ALPHA[plan.compile] * linear_input_features(blocks[0]) * elem
-    if plan.linears and plan.compile:
-        per_block_token *= FP8_LINEARS_COMPILED
     # the block input's features (what recompute keeps, one per block): an HF config's hidden_size, else the
     # narrowest linear input (q/k/v and gate/up read the block's input; the MLP's down projection is wider)
     width = getattr(getattr(model, "config", None), "hidden_size", None)
     if not isinstance(width, int):
         width = min((m.in_features for m in blocks[0].modules() if isinstance(m, nn.Linear)), default=0)
-    if plan.activations == "recompute":
-        activations = tokens * (len(blocks) * width + per_block_token)
+    if plan.activations == "recompute":  # the FP8 inputs, and one block's activations as the replay saves them
+        replayed = per_block_token * FACTOR[plan.compile, bool(plan.linears), False]
+        activations = tokens * (len(blocks) * width + replayed)
     else:
         factor = FACTOR[plan.compile, bool(plan.linears), plan.activations == "fp8"]
         activations = tokens * len(blocks) * per_block_token * factor
