@@ -4,13 +4,13 @@ The static part is exact arithmetic: parameters, lpoptim's states (1 byte per mo
 scale per 128 along the last dimension; fp32 moments for tensors under 4096 elements; the step count) and
 gradients (all of them, or with the step in backward one 256 MiB bucket and the largest gradient). The
 activations are a model: per token and block, a multiple of the bytes of the inputs of the block's linear layers
-(what those layers save), calibrated on a
-Llama-2-7B decoder layer, batch 4 x 2048, one H100 (docs/results/activations_block_h200.json): 2.6 of them eager,
-1.75 compiled, x 0.32 with FP8 activations eager and x 0.5 compiled, x 0.7 with FP8 linears compiled; with
-recompute, one FP8 block input per block and one block's activations while it is recomputed. The LM head and
-loss: about 10 bytes per logit (the logits, their fp32 copy and softmax's gradient), or with the chunked loss the
-hidden states' gradient and the head's fp32 weight gradient. Treat it as an estimate within some 10-20%:
-``lpoptim bench --hf-config`` measures the real peak.
+(what those layers save), calibrated on HF's Llama-2-7B shape at 1 x 2048 tokens, bf16, one H100, torch 2.11
+(``lpoptim bench --hf-config llama2-7b``, eager and ``--compile``): 2.6 of them eager, 1.75 compiled; then x 0.32
+with FP8 activations eager, x 0.5 with FP8 activations and FP8 linears eager; compiled, x 0.62 with FP8
+activations, x 0.75 with FP8 linears, x 0.55 with both; with recompute, one FP8 block input per block and one
+block's activations while it is replayed. The LM head and loss: about 10 bytes per logit (the logits, their fp32
+copy and softmax's gradient), or with the chunked loss the hidden states' gradient and the head's weight
+gradient. An estimate (within about 10% on that shape): ``lpoptim bench --hf-config`` measures the real peak.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ BUCKET_BYTES = 256 * 2**20  # step_in_backward's default bucket
 ALPHA = {False: 2.6, True: 1.75}  # saved bytes per token / (linear inputs x element size): eager, compiled
 # (compiled, FP8 linears, FP8 activations) -> the fraction of ALPHA's bytes that is saved
 FACTOR = {(True, False, False): 1.0, (True, False, True): 0.62, (True, True, False): 0.75, (True, True, True): 0.55,
-          (False, False, False): 1.0, (False, False, True): 0.32, (False, True, False): 0.75, (False, True, True): 0.32}
+          (False, False, False): 1.0, (False, False, True): 0.32, (False, True, False): 1.0, (False, True, True): 0.5}
 
 
 def state_bytes(shape, min_quant_numel: int = 4096, group_size: int = 128) -> float:
