@@ -93,6 +93,16 @@ def train_runs(text: str) -> list[tuple[str, dict]]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def hf_config_arg(text: str) -> str:
+    from .bench import hf_config_file
+
+    try:
+        hf_config_file(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def existing_file(text: str) -> Path | str:
     if text == PYTHON_STDLIB:  # built where the results go, once the output folder is known
         return text
@@ -209,8 +219,6 @@ def cmd_bench(ap: Parser, args, argv) -> int:
         ap.error("--memory-cap-gib caps the CUDA allocator: it needs CUDA")
     hf_config = None
     if args.hf_config is not None:
-        if args.preset:
-            ap.error("--preset and --hf-config exclude each other")
         try:
             import transformers  # noqa: F401
         except ImportError:
@@ -218,7 +226,7 @@ def cmd_bench(ap: Parser, args, argv) -> int:
         try:
             hf_config = bench.load_hf_config(args.hf_config)
         except (ValueError, OSError, json.JSONDecodeError) as e:
-            ap.error(str(e).splitlines()[0])
+            ap.error(f"argument --hf-config: {str(e).splitlines()[0]}")
         preset = Path(args.hf_config).stem if Path(args.hf_config).suffix == ".json" else Path(args.hf_config).name
         batch, seq = bench.HF_DEFAULT_SHAPE[device]
     else:
@@ -264,11 +272,12 @@ def parser() -> Parser:
     b = sub.add_parser("bench", help="memory and tokens/s of one training step of a Llama-shaped model per recipe",
                        formatter_class=raw, epilog=f"Recipes:\n{vocabulary()}\n\n"
                                                    f"e.g. lpoptim+bf16+fp8_delayed+bwd+ce+sac55 (with --compile)")
-    b.add_argument("--preset", choices=list(DEFAULT_SHAPE),
-                   help="model shape (default: tiny on CPU, tinyllama-1.1b on GPU)")
+    model = b.add_mutually_exclusive_group()
+    model.add_argument("--preset", choices=list(DEFAULT_SHAPE),
+                       help="model shape (default: tiny on CPU, tinyllama-1.1b on GPU)")
     b.add_argument("--batch", type=positive_int, help="sequences per step (default: tiny 2, tinyllama 4, larger 1)")
     b.add_argument("--seq", type=positive_int, help="tokens per sequence (default: tiny 64, others 2048)")
-    b.add_argument("--hf-config", metavar="PATH",
+    model.add_argument("--hf-config", metavar="PATH", type=hf_config_arg,
                    help="a Hugging Face config.json (or a folder holding one, or a bundled name: llama2-7b, "
                         "llama2-13b): that causal LM, random init, no download, instead of --preset")
     b.add_argument("--recipes", type=stack_list,

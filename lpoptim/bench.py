@@ -152,11 +152,9 @@ def build(stack: Stack, cfg: LlamaConfig, device: str, compile_blocks: bool):
     return model, opt, handle, {}
 
 
-def load_hf_config(path: str):
-    """A transformers config from a config.json, a folder holding one, or the name of one bundled with lpoptim
-    (lpoptim/data/hf_configs: llama2-7b, llama2-13b)."""
-    from transformers import AutoConfig
-
+def hf_config_file(path: str) -> Path:
+    """The config.json that ``path`` names: the file itself, the one in a folder, or one bundled with lpoptim
+    (lpoptim/data/hf_configs: llama2-7b, llama2-13b). ValueError, in one line, if there is none."""
     p = Path(path)
     if not p.exists() and (HF_CONFIGS / f"{path}.json").is_file():
         p = HF_CONFIGS / f"{path}.json"
@@ -164,10 +162,19 @@ def load_hf_config(path: str):
         p = p / "config.json"
     if not p.is_file():
         bundled = ", ".join(sorted(q.stem for q in HF_CONFIGS.glob("*.json")))
-        raise ValueError(f"--hf-config {path}: no such config.json (bundled names: {bundled})")
+        raise ValueError(f"no config.json at {path} (bundled: {bundled})")
+    return p
+
+
+def load_hf_config(path: str):
+    """A transformers config (use_cache off) from what ``hf_config_file`` finds; ValueError for a config.json
+    without a model_type."""
+    from transformers import AutoConfig
+
+    p = hf_config_file(path)
     fields = json.loads(p.read_text())
     if "model_type" not in fields:
-        raise ValueError(f"--hf-config {path}: {p} has no model_type")
+        raise ValueError(f"{p} has no model_type")
     cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
     cfg.use_cache = False
     return cfg
@@ -182,7 +189,7 @@ def build_hf(stack: Stack, hf_config, device: str, compile_blocks: bool, tokens:
     would run them (the decoder layers compiled in place, torch AdamW fused)."""
     from transformers import AutoModelForCausalLM
 
-    from .prepare import find_blocks, plan, prepare
+    from .planner import find_blocks, plan, prepare
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if stack.master == "bf16" else torch.float32
@@ -199,7 +206,8 @@ def build_hf(stack: Stack, hf_config, device: str, compile_blocks: bool, tokens:
         else:
             options = dict(linears=stack.linears, compile=compile_blocks, step_in_backward=stack.in_backward,
                            chunked_loss=stack.chunked_loss,
-                           activations="recompute" if stack.recompute else "fp8" if stack.compress else None)
+                           activations="recompute" if stack.recompute else "fp8" if stack.compress else
+                           stack.activation_budget)
         chosen = plan(model, **options)
         info["plan"] = chosen.summary()
         info["estimated_peak_bytes"] = estimate_peak_bytes(model, model.get_submodule(chosen.blocks), chosen, tokens)
@@ -245,18 +253,28 @@ def saved_bytes(model, handle, fwd) -> tuple[object, int]:
 
 
 @contextlib.contextmanager
-def stack_context(stack: Stack, compile_blocks: bool):
+def stack_context(stack: Stack, compile_blocks: bool, hf: bool = False):
     """What a stack's run needs around it: a fresh Dynamo (graphs, and the budget's partition, are not shared
-    between stacks) and the stack's activation budget for Inductor's partitioner."""
+    between stacks) and the stack's activation budget for Inductor's partitioner (but where lpoptim.prepare sets
+    it on the blocks itself: an HF model's lpoptim stack without +act/+rec)."""
     if compile_blocks:
         torch._dynamo.reset()
-    if stack.activation_budget is None:
+    if stack.activation_budget is None or (hf and budget_by_prepare(stack)):
         yield
         return
     import torch._functorch.config as functorch_config
 
     with functorch_config.patch(activation_memory_budget=stack.activation_budget):
         yield
+
+
+def is_hf(cfg) -> bool:
+    """Whether ``cfg`` is a transformers config (the --hf-config path) rather than lpoptim's LlamaConfig."""
+    return hasattr(cfg, "model_type")
+
+
+def budget_by_prepare(stack: Stack) -> bool:
+    return stack.optimizer == "lpoptim" and stack.activation_budget is not None and not stack.compress
 
 
 def autocast_loss(model, x, y, device: str) -> torch.Tensor:
@@ -270,14 +288,14 @@ def autocast_loss(model, x, y, device: str) -> torch.Tensor:
 def run_stack(stack: Stack, cfg, batch: int, seq: int, steps: int, warmup: int, device: str,
               compile_blocks: bool) -> dict:
     """One stack's figures; ``cfg`` is a LlamaConfig (lpoptim's own model) or a transformers config."""
-    with stack_context(stack, compile_blocks):
+    with stack_context(stack, compile_blocks, hf=is_hf(cfg)):
         return _run_stack(stack, cfg, batch, seq, steps, warmup, device, compile_blocks)
 
 
 def _run_stack(stack: Stack, cfg, batch: int, seq: int, steps: int, warmup: int, device: str,
                compile_blocks: bool) -> dict:
     cuda = device == "cuda"
-    hf = not isinstance(cfg, LlamaConfig)
+    hf = is_hf(cfg)
     if hf:
         model, opt, handle, info = build_hf(stack, cfg, device, compile_blocks, batch * seq)
     else:

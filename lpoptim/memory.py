@@ -47,7 +47,7 @@ def linear_input_features(block: nn.Module) -> int:
 
 
 def estimate_peak_bytes(model: nn.Module, blocks: nn.ModuleList, plan, tokens: int) -> float:
-    """Estimated peak bytes of one training step of ``model`` under ``plan`` (a prepare.Plan) at ``tokens`` tokens."""
+    """Estimated peak bytes of one training step of ``model`` under ``plan`` (a planner.Plan) at ``tokens`` tokens."""
     params = [p for p in model.parameters() if p.requires_grad]
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     states = sum(state_bytes(p) for p in params)
@@ -64,6 +64,8 @@ def estimate_peak_bytes(model: nn.Module, blocks: nn.ModuleList, plan, tokens: i
         activations = tokens * (len(blocks) * width + replayed)
     else:
         factor = FACTOR[plan.compile, bool(plan.linears), plan.activations == "fp8"]
+        if isinstance(plan.activations, float):  # Inductor's budget: that fraction of what the block would save
+            factor *= plan.activations
         activations = tokens * len(blocks) * per_block_token * factor
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_bytes = 0

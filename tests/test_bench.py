@@ -127,3 +127,52 @@ def test_table_compares_a_reserved_peak_with_a_reserved_peak():
                   compile=True, steps=1, warmup=1, peak_measured=True, results=[base, cg])
     row = bench.table(report).splitlines()[-1]
     assert "26.00 (reserved)" in row and "n/a" in row and "0.50x mem" in row  # 26 / 52, not 26 / 50
+
+
+def test_bench_hf_config_cpu(tmp_path, capsys):
+    """--hf-config: the user's architecture from a config.json (random init, no download), torch as a torch user
+    runs it and lpoptim through prepare, with prepare's plan and peak estimate in the JSON."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64,
+                                   intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                   num_hidden_layers=2, vocab_size=128)))
+    recipes = "torch+bf16,torch+bf16+ckpt,prepare+bf16,lpoptim+bf16+act+bwd+ce,lpoptim+rec+bwd"
+    assert main(["bench", "--hf-config", str(cfg), "--steps", "1", "--warmup", "1", "--device", "cpu",
+                 "--recipes", recipes, "--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert report["hf"] and report["model"]["architecture"] == "LlamaForCausalLM" and report["model"]["n_layer"] == 2
+    rows = {r["recipe"]: r for r in report["results"]}
+    assert list(rows) == recipes.split(",")
+    for name, r in rows.items():
+        assert "error" not in r and r["tokens_per_s"] > 0, r
+        assert r["params"] == rows["torch+bf16"]["params"]  # the same model under every stack
+    assert rows["torch+bf16+ckpt"]["activations_bytes"] < 0.5 * rows["torch+bf16"]["activations_bytes"]
+    assert rows["lpoptim+bf16+act+bwd+ce"]["activations_bytes"] < 0.6 * rows["torch+bf16"]["activations_bytes"]
+    assert rows["lpoptim+bf16+act+bwd+ce"]["grads_bytes"] == 0  # stepped inside backward
+    assert rows["lpoptim+bf16+act+bwd+ce"]["states_bytes"] < 0.8 * rows["torch+bf16"]["states_bytes"]
+    assert "lpoptim.prepare:" in rows["prepare+bf16"]["plan"] and rows["prepare+bf16"]["estimated_peak_bytes"] > 0
+    assert "torch+bf16" in rows and "plan" not in rows["torch+bf16"]
+    out = capsys.readouterr().out
+    assert "HF LlamaForCausalLM: 2 layers" in out and (tmp_path / "out" / "bench.png").exists()
+
+
+def test_hf_only_parts_are_skipped_on_lpoptims_own_model():
+    from lpoptim import bench
+
+    for name in ("torch+ckpt", "prepare"):
+        assert "--hf-config" in bench.unavailable(parse_stack(name), "cpu")
+    assert bench.unavailable(parse_stack("torch+ckpt"), "cpu", hf=True) is None
+
+
+def test_bundled_hf_configs_load():
+    import pytest
+
+    pytest.importorskip("transformers")
+    from lpoptim import bench
+
+    for name, layers, width in (("llama2-7b", 32, 4096), ("llama2-13b", 40, 5120)):
+        cfg = bench.load_hf_config(name)
+        assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.use_cache) == ("llama", layers, width, False)

@@ -28,6 +28,11 @@ BAD_ARGS = [
     ["bench", "--recipes", "torch+bwd"],  # step_in_backward needs lpoptim.AdamW
     ["bench", "--recipes", "lpoptim+fp8+int4"],
     ["bench", "--device", "tpu"],
+    ["bench", "--hf-config", "/missing/config.json"],
+    ["bench", "--hf-config", "no-such-bundled-name"],
+    ["bench", "--hf-config", "llama2-7b", "--preset", "tiny"],
+    ["bench", "--recipes", "prepare+act"],  # prepare makes its own choices
+    ["bench", "--recipes", "lpoptim+act+ckpt"],  # HF checkpointing and FP8 activations exclude each other
 ]
 
 

@@ -18,7 +18,7 @@ from lpoptim.memory import estimate_peak_bytes
 from lpoptim.memory import state_bytes as estimated_state_bytes
 from lpoptim.nn import LowBitLinear
 from lpoptim.nn.causal_lm_loss import why_not
-from lpoptim.prepare import find_blocks, plan, prepare
+from lpoptim.planner import find_blocks, plan, prepare
 
 transformers = pytest.importorskip("transformers")
 
@@ -155,8 +155,11 @@ def test_family_blocks_found_and_fp8_gradients_close(name):
             opt = prepare(prepared, lr=1e-3, linears=linears, activations=activations, compile=False,
                           step_in_backward=False)
         p = opt.plan
+        has_linear = any(type(m) is nn.Linear for m in stack.modules())  # GPT-2's blocks hold Conv1D only
         assert (p.blocks, p.linears, p.activations, p.compile, p.step_in_backward) == (
-            found, linears, activations, False, False)
+            found, linears if has_linear else None, activations, False, False)
+        if linears and not has_linear:
+            assert p.reasons["linears"] == "the blocks hold no nn.Linear"
         assert p.chunked_loss == (why_not(model) is None)
         # every nn.Linear of the blocks whose dims allow it became a LowBitLinear (GPT-2's Conv1D and Falcon's
         # FalconLinear subclass are not nn.Linear: convert_linears leaves them, so those two run FP8 activations
@@ -455,6 +458,8 @@ BAD_OPTIONS = [
     (dict(linears="fp9"), ValueError, "linears='fp9'"),
     (dict(linears=True), ValueError, "linears=True"),
     (dict(activations="bf8"), ValueError, "activations='bf8'"),
+    (dict(activations=1.5), ValueError, "in \\(0, 1\\)"),
+    (dict(activations=0.5), ValueError, "needs compile=True"),  # the budget is Inductor's: compiled blocks only
     (dict(compile="yes"), ValueError, "compile='yes'"),
     (dict(step_in_backward="sometimes"), ValueError, "step_in_backward"),
     (dict(max_memory_gib=-1, tokens=1024), ValueError, "positive"),
@@ -654,3 +659,38 @@ def test_trainer_resume_is_exact(tmp_path):
         assert torch.equal(a, b)
         moved += not torch.equal(b, c)
     assert moved == len(init)
+
+
+def test_activation_budget_is_set_for_the_compiled_blocks_alone():
+    """activations=0.5 on compiled blocks: Inductor's partitioner gets the budget while each block's graph is
+    compiled (its first call), the process-wide setting is untouched, and the gradients are the uncompiled
+    model's (recomputing in backward is the same arithmetic)."""
+    import torch._functorch.config as functorch_config
+
+    torch._dynamo.reset()
+    model = _tiny_llama()
+    batch = _batch("llama")
+    ref = _grads(model, batch)
+    prepared = copy.deepcopy(model)
+    default = functorch_config.activation_memory_budget
+    seen = []
+    import torch._functorch.partitioners as partitioners
+
+    original = partitioners.min_cut_rematerialization_partition
+
+    def spy(*args, **kwargs):
+        seen.append(functorch_config.activation_memory_budget)
+        return original(*args, **kwargs)
+
+    partitioners.min_cut_rematerialization_partition = spy
+    try:
+        opt = prepare(prepared, lr=1e-3, compile=True, activations=0.5, linears=None, step_in_backward=False)
+        got = _grads(prepared, batch)
+    finally:
+        partitioners.min_cut_rematerialization_partition = original
+    assert opt.plan.activations == 0.5 and "50%" in opt.plan.summary()
+    assert seen and set(seen) == {0.5}, seen
+    assert functorch_config.activation_memory_budget == default
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()
