@@ -218,6 +218,8 @@ def cmd_bench(ap: Parser, args, argv) -> int:
     if args.memory_cap_gib is not None and device != "cuda":
         ap.error("--memory-cap-gib caps the CUDA allocator: it needs CUDA")
     hf_config = None
+    if args.budget_gib is not None and args.hf_config is None:
+        ap.error("argument --budget-gib: it is prepare's budget, for --hf-config")
     if args.hf_config is not None:
         try:
             import transformers  # noqa: F401
@@ -239,7 +241,8 @@ def cmd_bench(ap: Parser, args, argv) -> int:
     print(f"lpoptim bench: {preset}, {batch} x {seq} tokens, {device}", file=sys.stderr)
     report = bench.run(preset, names, batch, seq, args.steps, args.warmup, device,
                        compile_blocks=args.compile, log=lambda s: print(s, file=sys.stderr, flush=True),
-                       n_layer=args.n_layer, memory_cap_gib=args.memory_cap_gib, hf_config=hf_config)
+                       n_layer=args.n_layer, memory_cap_gib=args.memory_cap_gib, hf_config=hf_config,
+                       budget_gib=args.budget_gib)
     report["command"] = shlex.join(["python", "-m", "lpoptim", *argv])
     paths = bench.write(report, out_dir)
     print("\n" + bench.table(report))
@@ -287,6 +290,9 @@ def parser() -> Parser:
     b.add_argument("--warmup", type=positive_int, default=2,
                    help="untimed steps first (kernel compilation, state allocation); the last measures memory")
     b.add_argument("--compile", action="store_true", help="torch.compile each decoder block")
+    b.add_argument("--budget-gib", type=positive_float,
+                   help="with --hf-config: the prepare recipe gets this memory budget (prepare(model, "
+                        "max_memory_gib=..., tokens=batch x seq))")
     b.add_argument("--n-layer", type=positive_int, help="override the preset's number of layers")
     b.add_argument("--memory-cap-gib", type=positive_float,
                    help="allow the CUDA allocator this many GiB (e.g. 79.6 to stand in for an 80 GB H100 on a larger GPU)")

@@ -183,7 +183,7 @@ def load_hf_config(path: str):
 HF_CONFIGS = Path(__file__).parent / "data" / "hf_configs"
 
 
-def build_hf(stack: Stack, hf_config, device: str, compile_blocks: bool, tokens: int):
+def build_hf(stack: Stack, hf_config, device: str, compile_blocks: bool, tokens: int, budget_gib: float | None = None):
     """An HF causal LM built from ``hf_config`` (random init, no download) and its optimizer, for one stack:
     lpoptim stacks through lpoptim.prepare with the stack's parts as its options; the others as a torch user
     would run them (the decoder layers compiled in place, torch AdamW fused)."""
@@ -202,7 +202,7 @@ def build_hf(stack: Stack, hf_config, device: str, compile_blocks: bool, tokens:
     info = {}
     if stack.optimizer in ("lpoptim", "prepare"):
         if stack.optimizer == "prepare":
-            options = {}
+            options = dict(max_memory_gib=budget_gib, tokens=tokens) if budget_gib else {}
         else:
             options = dict(linears=stack.linears, compile=compile_blocks, step_in_backward=stack.in_backward,
                            chunked_loss=stack.chunked_loss,
@@ -211,6 +211,7 @@ def build_hf(stack: Stack, hf_config, device: str, compile_blocks: bool, tokens:
         chosen = plan(model, **options)
         info["plan"] = chosen.summary()
         info["estimated_peak_bytes"] = estimate_peak_bytes(model, model.get_submodule(chosen.blocks), chosen, tokens)
+        info["budget_gib"] = options.get("max_memory_gib")
         opt = prepare(model, lr, betas=betas, weight_decay=0.1, **options)
         return model, opt, None, info
     if stack.linears == "torchao":
@@ -286,18 +287,18 @@ def autocast_loss(model, x, y, device: str) -> torch.Tensor:
 
 
 def run_stack(stack: Stack, cfg, batch: int, seq: int, steps: int, warmup: int, device: str,
-              compile_blocks: bool) -> dict:
+              compile_blocks: bool, budget_gib: float | None = None) -> dict:
     """One stack's figures; ``cfg`` is a LlamaConfig (lpoptim's own model) or a transformers config."""
     with stack_context(stack, compile_blocks, hf=is_hf(cfg)):
-        return _run_stack(stack, cfg, batch, seq, steps, warmup, device, compile_blocks)
+        return _run_stack(stack, cfg, batch, seq, steps, warmup, device, compile_blocks, budget_gib)
 
 
 def _run_stack(stack: Stack, cfg, batch: int, seq: int, steps: int, warmup: int, device: str,
-               compile_blocks: bool) -> dict:
+               compile_blocks: bool, budget_gib: float | None = None) -> dict:
     cuda = device == "cuda"
     hf = is_hf(cfg)
     if hf:
-        model, opt, handle, info = build_hf(stack, cfg, device, compile_blocks, batch * seq)
+        model, opt, handle, info = build_hf(stack, cfg, device, compile_blocks, batch * seq, budget_gib)
     else:
         model, opt, handle, info = build(stack, cfg, device, compile_blocks)
     gen = torch.Generator(device=device).manual_seed(1)
@@ -388,12 +389,12 @@ def hf_summary(cfg) -> dict:
 
 def run(preset: str, recipes: list[str], batch: int, seq: int, steps: int, warmup: int, device: str,
         compile_blocks: bool = False, log=print, n_layer: int | None = None, memory_cap_gib: float | None = None,
-        hf_config=None) -> dict:
+        hf_config=None, budget_gib: float | None = None) -> dict:
     """Benchmark each recipe in turn; returns the dict written to bench.json.
 
     ``hf_config``: a transformers config (load_hf_config) to build instead of the preset (``preset`` then names
     it); ``n_layer`` overrides the depth; ``memory_cap_gib`` caps the CUDA allocator (an 80 GB GPU's budget on a
-    larger one: torch.cuda.set_per_process_memory_fraction)."""
+    larger one: torch.cuda.set_per_process_memory_fraction); ``budget_gib``: the prepare recipe's max_memory_gib."""
     if hf_config is not None:
         cfg = hf_config
         if n_layer is not None:
@@ -422,7 +423,7 @@ def run(preset: str, recipes: list[str], batch: int, seq: int, steps: int, warmu
         base = torch.cuda.memory_allocated() if device == "cuda" else 0
         base_reserved = torch.cuda.memory_reserved() if device == "cuda" else 0
         try:
-            out = run_stack(stack, cfg, batch, seq, steps, warmup, device, compile_blocks)
+            out = run_stack(stack, cfg, batch, seq, steps, warmup, device, compile_blocks, budget_gib)
             out["peak_bytes"] -= base_reserved if stack.cuda_graphs else base
             out["peak_reserved_bytes"] -= base_reserved
             row.update(out)

@@ -100,7 +100,7 @@ class Plan:
             why = self.reasons.get(key)
             lines.append(f"  {key:22s} {value}" + (f"  ({why})" if why else ""))
         if self.estimate_gib:
-            lines.append("  estimated peak, GiB:   " + "; ".join(f"{k} {v:.1f}" for k, v in self.estimate_gib.items()))
+            lines.append("  estimated peak, GiB:   " + "; ".join(f"{k} {v:.3g}" for k, v in self.estimate_gib.items()))
         return "\n".join(lines)
 
     @property
@@ -276,7 +276,7 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
             reasons["activations"] = f"the fastest whose estimated peak fits {max_memory_gib} GiB"
             return result
     raise ValueError(f"lpoptim.prepare: nothing fits max_memory_gib={max_memory_gib} at {tokens} tokens a step; "
-                     "estimated peaks: " + "; ".join(f"{k}: {v:.1f} GiB" for k, v in estimates.items()))
+                     "estimated peaks: " + "; ".join(f"{k}: {v:.3g} GiB" for k, v in estimates.items()))
 
 
 def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, linears=AUTO, activations=AUTO,
