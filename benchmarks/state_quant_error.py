@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lpoptim.bench import environment  # noqa: E402
 from lpoptim import quant  # noqa: E402
 from lpoptim.formats import E2M1, E4M3, E5M2, round_to_grid  # noqa: E402
+from lpoptim.optim.stochastic_round import hash32, sr_key  # noqa: E402
 from lpoptim.train.data import CharData, python_stdlib_text  # noqa: E402
 from lpoptim.train.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -98,15 +99,25 @@ def simulate(grads, cand, beta1=0.9, beta2=0.99):
         if cand.get("shipped"):
             m, v = lpoptim_roundtrip(m), lpoptim_roundtrip(v)
         else:
-            m = roundtrip(m, cand["m"])
-            v = roundtrip(v.sqrt(), cand["v"]) ** 2 if cand.get("sqrt") else roundtrip(v, cand["v"])
+            m = roundtrip(m, cand["m"], t, salt=1)
+            v = roundtrip(v.sqrt(), cand["v"], t, salt=2) ** 2 if cand.get("sqrt") else roundtrip(v, cand["v"], t, salt=2)
     return out
 
 
-def roundtrip(x, spec):
-    """x through the candidate codec ``spec``: variant_roundtrip's keywords, or a 4-bit codec under "codec"."""
+def roundtrip(x, spec, step=None, salt=0):
+    """x through the candidate codec ``spec``: variant_roundtrip's keywords, or a 4-bit codec under "codec"; a
+    stochastically rounding one (``sr``) draws its noise from (element index, ``step``, ``salt``)."""
     spec = dict(spec)
+    if spec.pop("sr", False):
+        spec["noise"] = sr_noise(x.shape, sr_key(torch.tensor(float(step)), salt))
     return spec.pop("codec", variant_roundtrip)(x, **spec)
+
+
+def sr_noise(shape, key):
+    """Uniform [0, 1) per element, 24 bits, from hash32(row-major index ^ key) (optim/stochastic_round.py's bits):
+    deterministic, so a resumed run rounds as an uninterrupted one."""
+    idx = torch.arange(math.prod(shape), dtype=torch.int64).view(shape)
+    return (hash32(idx ^ key) >> 8).float() * 2.0 ** -24
 
 
 # ---- 4-bit candidates (--bits 4) -----------------------------------------------------------------------------
@@ -130,7 +141,7 @@ def group_scale(amax, scale, top):
     return top * torch.exp2(torch.ceil(torch.log2(amax / top)))  # e8m0
 
 
-def roundtrip4(x, grid="e2m1", group_size=128, floor=1.0, compand=True, scale="fp32", zero=True):
+def roundtrip4(x, grid="e2m1", group_size=128, floor=1.0, compand=True, scale="fp32", zero=True, noise=None):
     """A 4-bit group codec, per group of ``group_size`` along the last dim, sign kept apart (15 magnitudes + 0):
 
     - "e2m1" / "int4" / "lin0": ``top · (|x|/c)^k`` rounded onto E2M1 (0, .5, 1, 1.5, 2, 3, 4, 6), the integers
@@ -140,6 +151,9 @@ def roundtrip4(x, grid="e2m1", group_size=128, floor=1.0, compand=True, scale="f
     - "log": 15 magnitudes (16 where not ``zero``) evenly spaced in log2 from c down to the group's smallest
       magnitude, log2 of that range rounded up onto an 8-bit float grid ((1 + i/32) 2^e, e in [-1, 6]); rounded in
       log; with ``zero`` an exact 0 stays 0.
+
+    ``noise`` (uniform [0, 1) of x's shape, "int4" / "lin0" only): stochastic rounding, floor(f + noise) in place
+    of round(f): unbiased, so an EMA increment below half a grid step is kept in expectation instead of lost.
     """
     g = quant.to_groups(x.float(), group_size)
     amax, amin = quant.group_stats(g)
@@ -159,7 +173,11 @@ def roundtrip4(x, grid="e2m1", group_size=128, floor=1.0, compand=True, scale="f
     else:
         k = k_on_grid(math.log2(top / floor) / torch.log2(c / amin).clamp_min(1e-6)) if compand else torch.ones_like(c)
         f = top * a ** k
-        q = round_to_grid(f, E2M1) if grid == "e2m1" else f.round().clamp(1 if grid == "lin0" else 0, top)
+        if noise is not None:
+            assert grid in ("int4", "lin0"), "stochastic rounding: integer grids only"
+            q = torch.floor(f + quant.to_groups(noise, group_size)).clamp(1 if grid == "lin0" else 0, top)
+        else:
+            q = round_to_grid(f, E2M1) if grid == "e2m1" else f.round().clamp(1 if grid == "lin0" else 0, top)
         y = c * (q / top) ** (1 / k)
     y = torch.where(valid, torch.copysign(y, g), torch.zeros_like(y))
     return quant.from_groups(y, x.shape)
@@ -226,6 +244,13 @@ CANDIDATES_4BIT = {
     "m MXFP4 (E2M1, G=32, e8m0), v log grid, sqrt(v), + bound": dict(
         m=e2m1(group_size=32, scale="e8m0", compand=False), v=log4(zero=False), sqrt=True, bound=True),
     "m INT4 B128, v E2M1 companded, sqrt(v), + bound": dict(m=INT4_M, v=e2m1(), sqrt=True, bound=True),
+    # stochastic rounding (floor(f + u), u from a hash of (index, step, salt)) of the recommended codec
+    "m INT4 B128, v Li et al.'s B128 + bound, stochastic rounding of m and v": dict(
+        m=dict(INT4_M, sr=True), v=dict(LIN0, compand=False, sr=True), bound=True),
+    "m INT4 B128, v Li et al.'s B128 + bound, stochastic rounding of m": dict(
+        m=dict(INT4_M, sr=True), v=dict(LIN0, compand=False), bound=True),
+    "m INT4 B128, v Li et al.'s B128 + bound, stochastic rounding of v": dict(
+        m=INT4_M, v=dict(LIN0, compand=False, sr=True), bound=True),
 }
 # dominated after the synthetic pass (worse worst case and mean than a kept relative), not run on the real streams
 SYNTHETIC_ONLY_4BIT = {
@@ -314,6 +339,8 @@ def main(argv=None):
                     help="8: the FP8 candidates (CANDIDATES); 4: the 4-bit ones (CANDIDATES_4BIT)")
     ap.add_argument("--synthetic-only", action="store_true", help="--bits 4: only the synthetic pass")
     ap.add_argument("--workers", type=int, default=2, help="--bits 4: processes for the real streams")
+    ap.add_argument("--only", nargs="+", metavar="SUBSTRING",
+                    help="--bits 4: only the candidates whose name contains one of these")
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error("--steps must be at least 1")
@@ -347,7 +374,9 @@ def print_table(rows):
 def main_4bit(args):
     synthetic = synthetic_streams()
     rows = {}
-    for name, cand in CANDIDATES_4BIT.items():
+    names = [n for n in CANDIDATES_4BIT if not args.only or any(o in n for o in args.only)]
+    for name in names:
+        cand = CANDIDATES_4BIT[name]
         rows[name] = dict(synthetic_row(name, CANDIDATES_4BIT, synthetic, with_mean=True),
                           bytes_per_param=state_bytes(cand["m"]) + state_bytes(cand["v"]))
         print(json.dumps(rows[name]), flush=True)
@@ -355,7 +384,7 @@ def main_4bit(args):
         texts = {"tinyshakespeare": None,
                  "python stdlib": python_stdlib_text(Path(args.out).parent / "python_stdlib.txt")}
         _WORK.update({text: record_streams(path, args.steps) for text, path in texts.items()})
-        tasks = [(name, text, beta2) for name in CANDIDATES_4BIT if name not in SYNTHETIC_ONLY_4BIT
+        tasks = [(name, text, beta2) for name in names if name not in SYNTHETIC_ONLY_4BIT
                  for text in texts for beta2 in (0.99, 0.999)]
         with multiprocessing.get_context("fork").Pool(args.workers) as pool:
             for name, cells in pool.imap_unordered(_real_task, tasks):

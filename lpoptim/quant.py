@@ -352,3 +352,91 @@ def adam_bound_inv(n: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
     n = n.float()  # Python floats meet an fp32 tensor as fp32 scalars, as the kernel's arguments
     inv = numerator / (n if r == 1.0 else 1.0 - torch.exp2(n * log2_r))
     return torch.where((inv > 0) & (inv < math.inf), inv, torch.zeros_like(n))
+
+
+# ---- the 4-bit state codec (state_bits=4) -----------------------------------------------------------------------
+# Two codes per byte along the last dim (element 2i in the low nibble, 2i + 1 in the high one; an odd row's last
+# high nibble is 0), one fp32 scale per group of G along the last dim: the group's finite absmax c, as is (no k).
+# Chosen on the worst step and the mean update error (benchmarks/state_quant_error.py --bits 4, docs/optimizer.md):
+#   m: INT4 with zero, c·q/7 for q in -7..7, the nibble q's two's complement; nibble 8 (-8) is NaN's code
+#   v: linear without zero (Li et al. 2023), c·j/16 for j in 1..16, the nibble j - 1: a non-zero v never decodes
+#      to 0 beside a live m; +-inf and NaN take j = 16
+# Encoding multiplies |x| by top/c (one correctly rounded division per group) and rounds to nearest even onto the
+# integers, or stochastically (floor(f + u), u uniform from a hash: state4_noise). Decoding multiplies the integer
+# by 1/top and then by c (m: q · fp32(1/7), exact at q = ±7, so the absmax decodes to itself; v: j · c/16). 0.5 B per moment and element + 4 B per group: 1.0625 B/param at G=128.
+
+M4_TOP = 7.0
+V4_TOP = 16.0
+M4_NAN = 8
+M4_INV = torch.tensor(1 / 7, dtype=torch.float32).item()  # 1/7 rounded to fp32
+
+
+def packed_shape(shape) -> tuple[int, ...]:
+    """The packed codes' shape of a tensor of ``shape``: the last dim halved, rounded up (a 0-dim tensor: (1,))."""
+    shape = tuple(shape)
+    return (*shape[:-1], (shape[-1] + 1) // 2) if shape else (1,)
+
+
+def pack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+    """Integers 0..15 of shape (..., N) -> uint8 (..., ceil(N/2)): element 2i in the low nibble, 2i+1 in the high."""
+    x = nibbles.to(torch.uint8).reshape(packed_shape(nibbles.shape)[:-1] + (nibbles.shape[-1] if nibbles.dim() else 1,))
+    if x.shape[-1] % 2:
+        x = torch.nn.functional.pad(x, (0, 1))
+    return x[..., 0::2] | (x[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor, shape) -> torch.Tensor:
+    """Inverse of pack_nibbles: uint8 (..., ceil(N/2)) -> int32 nibbles of ``shape``."""
+    p = packed.to(torch.int32)
+    x = torch.stack((p & 15, p >> 4), dim=-1).reshape(*p.shape[:-1], 2 * p.shape[-1])
+    return x[..., :rows_of(shape)[1]].reshape(shape)
+
+
+def _div_rn(a, b: torch.Tensor) -> torch.Tensor:
+    """a / b as fp32, correctly rounded (in float64 first: what the kernel's div_rn gives)."""
+    return (a / b.double()).float() if not isinstance(b, float) else (a.double() / b).float()
+
+
+def state4_scale(amax: torch.Tensor) -> torch.Tensor:
+    """A group's fp32 scale: its finite absmax, 0 where that is below fp32's smallest normal (the group is
+    flushed to 0, an absolute error below 2^-126: top / c would overflow, as in pack_scale)."""
+    return torch.where(amax >= FP32_MIN_NORMAL, amax.float(), torch.zeros_like(amax, dtype=torch.float32))
+
+
+def encode4_groups(g: torch.Tensor, second: bool, noise: torch.Tensor | None = None):
+    """Groups (R, n, G) fp32 -> (nibbles (R, n, G) int32, scales (R, n) fp32). ``second``: v's grid (j/16,
+    j = 1..16), else m's (q/7, q = -7..7). ``noise``: uniform [0, 1) of g's shape: floor(f + noise), not round(f)."""
+    amax, _ = group_stats(g)
+    scale = state4_scale(amax)
+    top = V4_TOP if second else M4_TOP
+    inv = torch.where(scale > 0, _div_rn(top, torch.where(scale > 0, scale, 1.0)), 0.0).unsqueeze(-1)
+    f = g.abs() * inv  # +-inf: inf (clamped below); a scale-0 group: 0
+    q = torch.floor(f + noise) if noise is not None else torch.round(f)
+    if second:
+        j = torch.where(torch.isnan(g), V4_TOP, q.clamp(1.0, V4_TOP))
+        return j.to(torch.int32) - 1, scale
+    q = q.clamp(0.0, M4_TOP).to(torch.int32)
+    nib = torch.where(g < 0, (-q) & 15, q)
+    return torch.where(torch.isnan(g), M4_NAN, nib), scale
+
+
+def decode4_groups(nibbles: torch.Tensor, scale: torch.Tensor, second: bool) -> torch.Tensor:
+    """Inverse of encode4_groups: nibbles (R, n, G) and scales (R, n) -> fp32 groups."""
+    if second:
+        return (nibbles + 1).float() * (scale * (1.0 / V4_TOP)).unsqueeze(-1)
+    q = torch.where(nibbles >= 8, nibbles - 16, nibbles).float()
+    y = (q * M4_INV) * scale.unsqueeze(-1)  # 7 · fp32(1/7) rounds to 1: the group's absmax decodes exactly
+    return torch.where(nibbles == M4_NAN, float("nan"), y)
+
+
+def quantize_state4(x: torch.Tensor, second: bool, group_size: int = 128, noise: torch.Tensor | None = None):
+    """A moment tensor -> (uint8 packed codes (packed_shape(x.shape)), fp32 scales (R, groups per row))."""
+    n = None if noise is None else to_groups(noise.float(), group_size)
+    nib, scale = encode4_groups(to_groups(x.float(), group_size), second, n)
+    return pack_nibbles(from_groups(nib, x.shape)), scale
+
+
+def dequantize_state4(codes: torch.Tensor, scale: torch.Tensor, shape, second: bool,
+                      group_size: int = 128) -> torch.Tensor:
+    nib = to_groups(unpack_nibbles(codes, shape), group_size)
+    return from_groups(decode4_groups(nib, scale, second), shape)

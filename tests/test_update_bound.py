@@ -81,7 +81,7 @@ def _torch_steps(grads, flags, device="cpu"):
     return out
 
 
-def _check(grads, flags, lp_step, device="cpu"):
+def _check(grads, flags, lp_step, device="cpu", ratio=RATIO):
     want = _torch_steps(grads, flags, device)
     bf16 = flags.get("bf16_stochastic_round", False)
     p = torch.randn(SHAPE, generator=torch.Generator().manual_seed(1)).mul(0.01).to(device,
@@ -93,7 +93,7 @@ def _check(grads, flags, lp_step, device="cpu"):
         lp_step(p, g.to(device, p.dtype))
         got = (p.float() - before).abs().max().item()
         assert math.isfinite(got)
-        assert got <= RATIO * torch_max + slack, f"step {t}: {got:.3g} against torch's {torch_max:.3g}"
+        assert got <= ratio * torch_max + slack, f"step {t}: {got:.3g} against torch's {torch_max:.3g}"
 
 
 def _optimizer_stepper(flags, **options):
@@ -113,44 +113,52 @@ def _optimizer_stepper(flags, **options):
 
 @pytest.mark.parametrize("flags", FLAGS.values(), ids=FLAGS.keys())
 @pytest.mark.parametrize("stream", STREAMS.keys())
-def test_reference_step_is_bounded_by_torchs(stream, flags):
-    _check(STREAMS[stream], flags, _optimizer_stepper(flags, fused=False))
+@pytest.mark.parametrize("state_bits", [8, 4])
+def test_reference_step_is_bounded_by_torchs(stream, flags, state_bits):
+    """4-bit states too, on these streams (measured worst 1.42, 2.28 without the bf16 ulp's slack; on real
+    gradient streams they reach 2.18, docs/optimizer.md: there the promise of 2 is not kept)."""
+    _check(STREAMS[stream], flags, _optimizer_stepper(flags, fused=False, state_bits=state_bits))
 
 
-def _kernel_stepper(flags):
+def _kernel_stepper(flags, state_bits=8):
     beta1, beta2 = flags.get("betas", (0.9, 0.999))
     hyper = dict(lr=1e-3, beta1=beta1, beta2=beta2, eps=1e-8, weight_decay=flags.get("weight_decay", 0.0), amsgrad=flags.get("amsgrad", False),
                  maximize=flags.get("maximize", False))
-    layout = StateLayout(quantized=True)
+    layout = StateLayout(quantized=True, state_bits=state_bits)
     held = {}
 
     def step(p, g):
         if "state" not in held:
             held["state"] = init_state(p, layout, hyper["amsgrad"])
         kernel.fused_adamw_step([(p, g.contiguous(), held["state"], layout)],
-                                sr_salts=[0] if flags.get("bf16_stochastic_round") else None, **hyper)
+                                sr_salts=[0] if flags.get("bf16_stochastic_round") else None,
+                                **(dict(state_salts=[0]) if state_bits == 4 else {}), **hyper)
     return step
 
 
 # the interpreter is slow: every stream with the default flags, the hardest streams with the kernel's other paths
 HARD = ["divided by 10 each step", "|g| spans 1e8 in a group, then x1e-3", "a x1e3 spike, then x1e-3", "tiny (1e-20)"]
-KERNEL_CASES = ([(stream, "default") for stream in STREAMS]
-                + [(stream, flags) for stream in HARD for flags in ("amsgrad", "bf16 + stochastic rounding")])
+KERNEL_CASES = ([(stream, "default", 8) for stream in STREAMS]
+                + [(stream, flags, 8) for stream in HARD for flags in ("amsgrad", "bf16 + stochastic rounding")]
+                # 4-bit states: the hard streams, and the one of the reference's worst case (bf16, sign flips)
+                + [(stream, "default", 4) for stream in HARD]
+                + [("sign flips, halving", flags, 4) for flags in ("amsgrad", "bf16 + stochastic rounding")])
 
 
-@pytest.mark.parametrize("stream, flags", KERNEL_CASES)
-def test_kernel_step_is_bounded_by_torchs_interpreter(stream, flags, interpreter_friendly_tiles):
+@pytest.mark.parametrize("stream, flags, state_bits", KERNEL_CASES)
+def test_kernel_step_is_bounded_by_torchs_interpreter(stream, flags, state_bits, interpreter_friendly_tiles):
     if torch.cuda.is_available():
         pytest.skip("the GPU test below covers the kernel")
-    step = _kernel_stepper(FLAGS[flags])
+    step = _kernel_stepper(FLAGS[flags], state_bits)
     _check(STREAMS[stream], FLAGS[flags], step)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("flags", FLAGS.values(), ids=FLAGS.keys())
-def test_fused_step_is_bounded_by_torchs_gpu(flags):
+@pytest.mark.parametrize("state_bits", [8, 4])
+def test_fused_step_is_bounded_by_torchs_gpu(flags, state_bits):
     for grads in STREAMS.values():
-        _check(grads, flags, _optimizer_stepper(flags, fused=True), device="cuda")
+        _check(grads, flags, _optimizer_stepper(flags, fused=True, state_bits=state_bits), device="cuda")
 
 
 @pytest.mark.parametrize("stream", STREAMS.keys())

@@ -289,6 +289,8 @@ MAX_TABLES = 4  # address tables kept per plan: gradients that alternate between
 _STATE_KEYS = {True: ("exp_avg_codes", "exp_avg_scale", "exp_avg_sq_codes", "exp_avg_sq_scale", "max_exp_avg_sq_codes",
                       "max_exp_avg_sq_scale", "step"),
                False: ("exp_avg", None, "exp_avg_sq", None, "max_exp_avg_sq", None, "step")}
+_STATE_KEYS4 = ("exp_avg_codes4", "exp_avg_scale", "exp_avg_sq_codes4", "exp_avg_sq_scale", "max_exp_avg_sq_codes4",
+                "max_exp_avg_sq_scale", "step")  # state_bits=4: packed codes (kernels/adamw_step4.py)
 
 # Launch settings, the best of a sweep on an H100 (torch 2.11, triton 3.6; docs/results/console_h100.md): fp32
 # 7.6-8.1 ms, bf16 5.3-5.6 ms for 1.24 B parameters, host part included, on two hosts (1 group per tile: 8.1-8.2 /
@@ -318,7 +320,7 @@ def _tables(batch, layout, block_g: int) -> _Plan:
         plan.dims = _to_device(torch.tensor(dims, dtype=torch.int32), dev)
         plan.blocks = torch.cat(blocks).contiguous()
         plan.n_blocks = plan.blocks.shape[0]
-    keys = _STATE_KEYS[layout.quantized]
+    keys = _STATE_KEYS4 if layout.quantized and layout.state_bits == 4 else _STATE_KEYS[layout.quantized]
     addrs = tuple((p.data_ptr(), g.data_ptr(), *[0 if t is None else t.data_ptr() for t in map(s.get, keys)])
                   for p, g, s, _l in batch)
     if addrs == plan.addr_key:
@@ -376,25 +378,34 @@ def _format_args(name: str, prefix: str) -> dict:
 
 
 def fused_adamw_step(batch, *, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, grad_scale=None, found_inf=None,
-                     sr_salts=None):
+                     sr_salts=None, state_salts=None):
     """Steps every (param, grad, state, layout) of ``batch``: one launch per (device, dtype, layout, rows) subset.
 
     ``sr_salts``: one int per item; bf16 parameters are then rounded stochastically (reference_adamw_step's
-    ``sr_salt``)."""
+    ``sr_salt``). ``state_salts``: one int per item, the salts of 4-bit states' stochastic rounding of v
+    (reference_adamw_step's ``state_salt``; 0 where None); where both are given they must agree (one table)."""
     subsets: dict = {}
     for i, item in enumerate(batch):
         p, _g, _s, layout = item
         even = (p.shape[-1] if p.dim() else 1) % layout.group_size == 0
-        subsets.setdefault((p.device, p.dtype, layout, even), []).append((item, None if sr_salts is None else sr_salts[i]))
+        subsets.setdefault((p.device, p.dtype, layout, even), []).append(
+            (item, None if sr_salts is None else sr_salts[i], 0 if state_salts is None else state_salts[i]))
     for (dev, dtype, layout, even), entries in subsets.items():
-        items = [item for item, _ in entries]
-        salts = [salt for _, salt in entries] if sr_salts is not None and dtype == torch.bfloat16 else None
+        items = [item for item, *_ in entries]
+        salts = [salt for _, salt, _ in entries] if sr_salts is not None and dtype == torch.bfloat16 else None
+        stochastic = salts is not None
+        if layout.quantized and layout.state_bits == 4:  # one salt table: v's rounding needs it always
+            state = [salt for *_, salt in entries]
+            if salts is not None and salts != state:
+                raise ValueError("fused_adamw_step: sr_salts and state_salts differ for 4-bit states")
+            salts = state
         _launch(items, dev, dtype, layout, even, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf, salts=salts)
+                amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf, salts=salts,
+                stochastic=stochastic)
 
 
 def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, grad_scale,
-            found_inf, salts):
+            found_inf, salts, stochastic=None):
     block_g, loop = TUNING["block_groups"], TUNING["loop"]
     plan = _tables(items, layout, block_g * loop)
     steps = [s["step"] for _p, _g, s, _l in items]
@@ -410,6 +421,21 @@ def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_de
     if salts is not None and plan.salts_key != salts:  # copied once per batch of parameters, not every step
         plan.salts = _to_device(torch.tensor(salts, dtype=torch.int32), dev)
         plan.salts_key = salts
+    if layout.quantized and layout.state_bits == 4:  # the 4-bit codec's kernel: the same tables and arguments
+        from .adamw_step4 import adamw4_kernel
+
+        adamw4_kernel[(plan.n_blocks,)](
+            plan.ptrs, plan.dims, plan.blocks, lr_t if lr_is_tensor else dummy, decay if lr_is_tensor else dummy,
+            grad_scale.to(dev, torch.float32) if grad_scale is not None else dummy,
+            found_inf if found_inf is not None else dummy, plan.salts if salts is not None else dummy,
+            0.0 if lr_is_tensor else float(lr), 0.0 if lr_is_tensor else float(decay),
+            beta1, 1 - beta1, beta2, 1 - beta2, eps, *adam_bound_args(beta1, beta2),
+            PARAM_DTYPE=_TL_DTYPES[dtype], G=layout.group_size, BLOCK_G=block_g, AMSGRAD=amsgrad, MAXIMIZE=maximize,
+            LR_IS_TENSOR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
+            LOOP=loop, EVEN_ROWS=even, ON_GPU=not interpreted(), STOCHASTIC=stochastic, ALIGNED=plan.aligned,
+            num_warps=TUNING["num_warps"], enable_fp_fusion=True,
+        )
+        return
     _adamw_kernel[(plan.n_blocks,)](
         plan.ptrs, plan.dims, plan.blocks, lr_t if lr_is_tensor else dummy, decay if lr_is_tensor else dummy,
         grad_scale.to(dev, torch.float32) if grad_scale is not None else dummy,

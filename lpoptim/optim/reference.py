@@ -10,17 +10,23 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import adam_bound_inv, dequantize_state, quantize_state
-from .state import CODES, StateLayout, moment_dtype
-from .stochastic_round import round_bf16_stochastic, sr_key
+from ..quant import adam_bound_inv, dequantize_state, dequantize_state4, quantize_state, quantize_state4
+from .state import CODES, CODES4, StateLayout, moment_dtype
+from .stochastic_round import round_bf16_stochastic, sr_key, uniform_noise, v_noise_key
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
-def load_moment(state: dict, name: str, layout: StateLayout) -> torch.Tensor:
+def load_moment(state: dict, name: str, layout: StateLayout, shape=None) -> torch.Tensor:
     """The moment as fp32 (float64 if so held): for exp_avg_sq and max_exp_avg_sq this is v (squared back if stored
-    as sqrt v).
+    as sqrt v). 4-bit codes (``<name>_codes4``, whatever the layout says) decode to ``shape`` (the parameter's;
+    None: the packed last dim doubled).
     Also reads states saved by lpoptim 0.1 (codes under the moment's own name, the older k grid)."""
+    if layout.quantized and name + CODES4 in state:
+        codes = state[name + CODES4]
+        if shape is None:
+            shape = (*codes.shape[:-1], 2 * codes.shape[-1])
+        return dequantize_state4(codes, state[name + "_scale"], shape, name != "exp_avg", layout.group_size)
     if layout.quantized:
         legacy = name + CODES not in state
         x = dequantize_state(state[name if legacy else name + CODES], state[name + "_scale"], layout.format_of(name),
@@ -33,10 +39,15 @@ def load_moment(state: dict, name: str, layout: StateLayout) -> torch.Tensor:
     return x
 
 
-def encode_moment(name: str, value: torch.Tensor, layout: StateLayout) -> dict[str, torch.Tensor]:
-    """An fp32 moment (v for the second moments) -> the state entries that hold it."""
+def encode_moment(name: str, value: torch.Tensor, layout: StateLayout,
+                  noise: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """An fp32 moment (v for the second moments) -> the state entries that hold it (``noise``: 4-bit stochastic
+    rounding's uniforms, quant.encode4_groups)."""
     if not layout.quantized:
         return {name: value}
+    if layout.state_bits == 4:
+        codes, scale = quantize_state4(value, name != "exp_avg", layout.group_size, noise)
+        return {name + CODES4: codes, name + "_scale": scale}
     if name != "exp_avg" and layout.sqrt_v:
         value = value.sqrt()
     codes, scale = quantize_state(value, layout.format_of(name), layout.group_size, layout.expansion)
@@ -46,10 +57,13 @@ def encode_moment(name: str, value: torch.Tensor, layout: StateLayout) -> dict[s
 def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, layout: StateLayout, *,
                          lr, beta1: float, beta2: float, eps: float, weight_decay: float, amsgrad: bool,
                          maximize: bool, grad_scale: torch.Tensor | None = None,
-                         found_inf: torch.Tensor | None = None, sr_salt: int | None = None) -> None:
+                         found_inf: torch.Tensor | None = None, sr_salt: int | None = None,
+                         state_salt: int = 0) -> None:
     """One AdamW step of ``param`` in place. ``state`` holds 'step' (fp32, on the device) and the moments.
 
     ``sr_salt``: round a bf16 parameter stochastically (stochastic_round.py), with this salt in its key.
+    ``state_salt``: 4-bit states (layout.state_bits == 4) round v stochastically with this salt in its key
+    (stochastic_round.v_noise_key; lpoptim.AdamW passes the parameter's index, as for sr_salt).
 
     ``grad_scale``/``found_inf`` follow torch's fused AdamW: gradients are divided by grad_scale, and when
     found_inf is non-zero nothing changes, the step count included. No host synchronisation happens here.
@@ -67,8 +81,8 @@ def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, l
         lr = lr.to(device=dev, dtype=acc, non_blocking=dev.type == "cuda")
 
     p = param.to(acc)
-    m = load_moment(state, "exp_avg", layout).to(acc)
-    v = load_moment(state, "exp_avg_sq", layout).to(acc)
+    m = load_moment(state, "exp_avg", layout, param.shape).to(acc)
+    v = load_moment(state, "exp_avg_sq", layout, param.shape).to(acc)
     if layout.quantized:  # a decoded v is never below what Adam's own recursion allows beside the decoded m
         # fmax, as the GPU's max: a NaN bound (a NaN m) leaves v as it is
         v = torch.fmax(v, m * m * adam_bound_inv(state["step"], beta1, beta2))
@@ -76,7 +90,7 @@ def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, l
     v = v * beta2 + (1 - beta2) * g * g
     v_used = v
     if amsgrad:
-        v_used = torch.maximum(load_moment(state, "max_exp_avg_sq", layout).to(acc), v)
+        v_used = torch.maximum(load_moment(state, "max_exp_avg_sq", layout, param.shape).to(acc), v)
     step_acc = step.to(acc)  # float64 parameters get float64 bias corrections, as torch's Python-float ones
     bias_correction1 = 1 - beta1 ** step_acc
     bias_correction2_sqrt = (1 - beta2 ** step_acc).sqrt()
@@ -88,7 +102,10 @@ def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, l
         new["max_exp_avg_sq"] = v_used
     entries = {"step": step}
     for name, value in new.items():
-        entries.update(encode_moment(name, value, layout))
+        noise = None
+        if layout.quantized and layout.state_bits == 4 and name == "exp_avg_sq":
+            noise = uniform_noise(param.shape, v_noise_key(step, state_salt))
+        entries.update(encode_moment(name, value, layout, noise))
     if sr_salt is not None and param.dtype == torch.bfloat16:
         p_new = round_bf16_stochastic(p_new, sr_key(step, sr_salt))
     p_new = p_new.to(param.dtype)

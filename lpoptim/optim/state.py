@@ -8,6 +8,9 @@ Per parameter with at least ``min_quant_numel`` elements:
   exp_avg_sq_codes, exp_avg_sq_scale   the same for the second moment (v; sqrt(v) with sqrt_exp_avg_sq=True)
   max_exp_avg_sq_codes, max_exp_avg_sq_scale   with amsgrad
   step               fp32 0-dim tensor on the parameter's device
+With state_bits=4 each moment's codes are held under ``<name>_codes4`` instead: uint8 of packed_shape(param.shape)
+(the last dimension halved, two 4-bit codes per byte, quant.quantize_state4), beside the same fp32 ``<name>_scale``
+(the group's plain absmax); 1.0625 bytes per parameter for m and v at G=128.
 Smaller parameters (norms, biases) keep plain fp32 moments under the same names, as torch.optim.AdamW does.
 Everything is a plain tensor: a checkpoint loads with torch.load(weights_only=True) without lpoptim.
 """
@@ -20,10 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import FloatFormat, get_format
-from ..quant import num_groups
+from ..quant import num_groups, packed_shape
 
 
 CODES = "_codes"  # a quantized moment's codes are held under its name with this suffix
+CODES4 = "_codes4"  # ... and 4-bit packed codes (state_bits=4) with this one
 
 
 def moment_dtype(param: torch.Tensor) -> torch.dtype:
@@ -35,7 +39,15 @@ def moment_dtype(param: torch.Tensor) -> torch.dtype:
 def stored_moment(state: dict, name: str) -> torch.Tensor | None:
     """The tensor holding moment ``name`` (its codes, or its fp32 values; codes saved by lpoptim 0.1 under the
     moment's own name too), or None if the state has none."""
-    return state.get(name + CODES, state.get(name))
+    for key in (name + CODES, name + CODES4, name):
+        if key in state:
+            return state[key]
+    return None
+
+
+def state_bits_of(state: dict) -> int:
+    """The bits per code of a quantized state (4 where it holds packed 4-bit codes, else 8)."""
+    return 4 if "exp_avg" + CODES4 in state else 8
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,11 @@ class StateLayout:
     group_size: int = 128
     expansion: bool = True
     sqrt_v: bool = False
+    state_bits: int = 8
+
+    @property
+    def codes_suffix(self) -> str:
+        return CODES4 if self.state_bits == 4 else CODES
 
     def format_of(self, name: str) -> FloatFormat:
         return get_format(self.exp_avg_format if name == "exp_avg" else self.exp_avg_sq_format)
@@ -62,7 +79,7 @@ class StateLayout:
     @staticmethod
     def for_param(param: torch.Tensor, group: dict) -> "StateLayout":
         return _layout(param.numel() >= group["min_quant_numel"], group["exp_avg_format"], group["exp_avg_sq_format"],
-                       group["group_size"], group["expansion"], group["sqrt_exp_avg_sq"])
+                       group["group_size"], group["expansion"], group["sqrt_exp_avg_sq"], group["state_bits"])
 
 
 @functools.lru_cache(maxsize=256)
@@ -78,7 +95,8 @@ def init_state(param: torch.Tensor, layout: StateLayout, amsgrad: bool) -> dict[
     for name in names:
         if layout.quantized:
             # zero codes with zero scales decode to exactly 0
-            state[name + CODES] = torch.zeros(param.shape, dtype=torch.uint8, device=dev)
+            shape = packed_shape(param.shape) if layout.state_bits == 4 else param.shape
+            state[name + layout.codes_suffix] = torch.zeros(shape, dtype=torch.uint8, device=dev)
             state[name + "_scale"] = torch.zeros(num_groups(param.shape, layout.group_size), dtype=torch.float32, device=dev)
         else:
             state[name] = torch.zeros(param.shape, dtype=moment_dtype(param), device=dev)

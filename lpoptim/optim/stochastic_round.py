@@ -58,3 +58,22 @@ def round_bf16_stochastic(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     bits = x.float().contiguous().view(torch.int32).to(torch.int64) & MASK32
     rounded = as_int32((bits + noise) & 0xFFFF0000).view(torch.float32)
     return torch.where(torch.isfinite(x), rounded, x).to(torch.bfloat16)  # exact: the low 16 bits are zero
+
+
+# 4-bit states (state_bits=4) round v stochastically onto its grid: floor(f + u), u uniform in [0, 1) from the
+# top 24 bits of hash32(i ^ key_v), key_v = hash32(sr_key(step, salt) ^ V_NOISE_SALT), so v's bits are not the
+# parameter's bf16 rounding bits of the same step (which take the low 16 of hash32(i ^ sr_key(step, salt))).
+V_NOISE_SALT = 0x68E31DA4
+
+
+def v_noise_key(step: torch.Tensor, salt: torch.Tensor | int) -> torch.Tensor:
+    return hash32(sr_key(step, salt) ^ V_NOISE_SALT)
+
+
+def uniform_noise(shape, key: torch.Tensor) -> torch.Tensor:
+    """fp32 uniforms in [0, 1) (multiples of 2^-24) of ``shape``: element i (row-major) from hash32(i ^ key)."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    idx = torch.arange(numel, device=key.device, dtype=torch.int64).view(shape)
+    return (hash32(idx ^ key) >> 8).float() * 2.0 ** -24

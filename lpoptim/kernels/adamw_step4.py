@@ -1,0 +1,190 @@
+"""The fused AdamW step for 4-bit states (state_bits=4): adamw_step.py's kernel with quant.encode4_groups /
+decode4_groups in place of the FP8 codec.
+
+The batch tables, launch settings and the update are adamw_step.py's (that module launches this kernel for a
+4-bit layout). A [BLOCK_G, G] tile of elements reads its codes as [BLOCK_G, G/2] bytes and splits each byte into
+its two nibbles (element 2i low, 2i + 1 high: tl.join then a reshape), and packs them back the same way. The
+codec is integer rounding onto 0..7 (m, with a sign) or 1..16 (v): f = |x| · top/c with top/c one correctly
+rounded division per group (div_rn, as the reference's float64 quotient), rounded to nearest even by the 1.5·2^23
+trick (v: floor(f + u), u from the hash), so kernel and reference agree exactly given the same fp32 moment; the
+decode is (q · fp32(1/7)) · c or j · (c/16), in the reference's order. The update arithmetic is adamw_step.py's, so fp32 moments may differ from the
+reference's by an ulp, which can move a code on a rounding tie-break.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..optim.stochastic_round import V_NOISE_SALT
+from ..quant import FP32_MIN_NORMAL, M4_INV, M4_NAN, M4_TOP, V4_TOP
+from .adamw_step import N_PTRS, STEP_COLUMN, _address, _pow
+from .grid import fast_exp2, fast_rcp, finite_abs, hash32, round_bf16_stochastic, round_half_even, store_as
+
+M4_TOP_C = tl.constexpr(M4_TOP)
+V4_TOP_C = tl.constexpr(V4_TOP)
+M4_NAN_C = tl.constexpr(M4_NAN)
+MIN_NORMAL_C = tl.constexpr(FP32_MIN_NORMAL)
+V_NOISE_SALT_C = tl.constexpr(V_NOISE_SALT)
+M4_INV_C = tl.constexpr(M4_INV)
+N_PTRS_C = tl.constexpr(N_PTRS)
+STEP_COLUMN_C = tl.constexpr(STEP_COLUMN)
+
+
+@triton.jit
+def _unpack(codes_ptr, boffs, bmask, BLOCK_G: tl.constexpr, G: tl.constexpr):
+    """[BLOCK_G, G/2] bytes -> [BLOCK_G, G] int32 nibbles, element 2i the low nibble of byte i."""
+    b = tl.load(codes_ptr + boffs, mask=bmask, other=0).to(tl.int32)
+    return tl.reshape(tl.join(b & 15, b >> 4), (BLOCK_G, G))
+
+
+@triton.jit
+def _pack_store(nib, codes_ptr, boffs, bmask, BLOCK_G: tl.constexpr, G: tl.constexpr):
+    lo, hi = tl.split(tl.reshape(nib, (BLOCK_G, G // 2, 2)))
+    tl.store(codes_ptr + boffs, (lo | (hi << 4)).to(tl.uint8), mask=bmask)
+
+
+@triton.jit
+def _decode4(codes_ptr, scale_ptr, boffs, bmask, mask, gid, gmask, SECOND: tl.constexpr, BLOCK_G: tl.constexpr,
+             G: tl.constexpr):
+    """quant.decode4_groups of a tile; masked-out lanes are 0."""
+    nib = _unpack(codes_ptr, boffs, bmask, BLOCK_G, G)
+    c = tl.load(scale_ptr + gid, mask=gmask, other=0.0)
+    if SECOND:
+        y = (nib + 1).to(tl.float32) * (c * (1.0 / V4_TOP_C))
+    else:
+        q = tl.where(nib >= 8, nib - 16, nib).to(tl.float32)
+        y = (q * M4_INV_C) * c
+        y = tl.where(nib == M4_NAN_C, float("nan"), y)
+    return tl.where(mask, y, 0.0)
+
+
+@triton.jit
+def _encode4(x, codes_ptr, scale_ptr, boffs, bmask, mask, gid, gmask, noise, SECOND: tl.constexpr,
+             BLOCK_G: tl.constexpr, G: tl.constexpr, SR: tl.constexpr):
+    """quant.encode4_groups of a tile (masked-out lanes hold 0) and the store of its codes and scales; SR: rounded
+    as floor(f + noise)."""
+    finite = finite_abs(x)
+    amax = tl.max(finite.to(tl.int32, bitcast=True), axis=1, keep_dims=True).to(tl.float32, bitcast=True)
+    c = tl.where(amax >= MIN_NORMAL_C, amax, 0.0)
+    tl.store(scale_ptr + gid, c, mask=gmask)
+    if SECOND:
+        top = V4_TOP_C
+    else:
+        top = M4_TOP_C
+    inv = tl.where(c > 0, tl.div_rn(top + tl.zeros_like(c), tl.where(c > 0, c, 1.0)), 0.0)  # once per group
+    f = tl.abs(x) * inv
+    if SR:  # min first: f + noise then floors onto at most the top, as the reference's clamp
+        q = tl.floor(tl.minimum(f, top) + noise)
+    else:
+        q = round_half_even(tl.minimum(f, top))  # min first: the trick needs |f| < 2^22 (inf: the top)
+    if SECOND:
+        nib = tl.maximum(q, 1.0).to(tl.int32) - 1
+        nib = tl.where(x != x, 15, nib)
+    else:
+        qi = q.to(tl.int32)
+        nib = tl.where(x < 0, (-qi) & 15, qi)
+        nib = tl.where(x != x, M4_NAN_C, nib)
+    nib = tl.where(mask, nib, 0)  # an odd row's last high nibble, and lanes past the tensor: 0
+    _pack_store(nib, codes_ptr, boffs, bmask, BLOCK_G, G)
+
+
+@triton.jit
+def adamw4_kernel(
+    ptrs, dims, blocks, lr_ptr, decay_ptr, grad_scale_ptr, found_inf_ptr, salt_ptr,
+    lr, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, bound_ratio, bound_log2_ratio, bound_numer,
+    PARAM_DTYPE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+    AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, LR_IS_TENSOR: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr, EVEN_ROWS: tl.constexpr, ON_GPU: tl.constexpr, LOOP: tl.constexpr,
+    STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if HAS_FOUND_INF:
+        if tl.load(found_inf_ptr) != 0:
+            return
+    tensor = tl.load(blocks + 2 * pid)
+    first_group = tl.load(blocks + 2 * pid + 1)
+    n = tl.load(dims + 3 * tensor)  # row length
+    groups_per_row = tl.load(dims + 3 * tensor + 1)
+    total_groups = tl.load(dims + 3 * tensor + 2)
+    n_bytes = (n + 1) // 2  # a row's packed codes
+    row_ptrs = ptrs + N_PTRS_C * tensor
+    p_ptr = _address(row_ptrs, 0, PARAM_DTYPE, ALIGNED)
+    g_ptr = _address(row_ptrs, 1, PARAM_DTYPE, ALIGNED)
+    m_ptr = _address(row_ptrs, 2, tl.uint8, ALIGNED)
+    ms_ptr = _address(row_ptrs, 3, tl.float32, ALIGNED)
+    v_ptr = _address(row_ptrs, 4, tl.uint8, ALIGNED)
+    vs_ptr = _address(row_ptrs, 5, tl.float32, ALIGNED)
+
+    # adamw_step._adamw_kernel's step-count arithmetic, unchanged
+    step = tl.load(_address(row_ptrs, STEP_COLUMN_C, tl.float32, False))
+    bias_correction1 = 1.0 - _pow(beta1, step, ON_GPU)
+    inv_bc2_sqrt = tl.rsqrt(1.0 - _pow(beta2, step, ON_GPU))
+    steps_before = step - 1.0
+    bound_denom = tl.where(bound_ratio == 1.0, steps_before, 1.0 - fast_exp2(steps_before * bound_log2_ratio, ON_GPU))
+    inv_bound = bound_numer * fast_rcp(bound_denom, ON_GPU)
+    inv_bound = tl.where((inv_bound > 0) & (inv_bound < float("inf")), inv_bound, 0.0)
+    if LR_IS_TENSOR:
+        step_size = tl.math.div_rn(tl.load(lr_ptr), bias_correction1)
+        decay = tl.load(decay_ptr)
+    else:
+        step_size = lr * tl.math.div_rn(1.0, bias_correction1)
+    if HAS_GRAD_SCALE:
+        inv_grad_scale = 1.0 / tl.load(grad_scale_ptr)
+    # the tensor's key for this step (stochastic_round.sr_key): the bf16 rounding's (STOCHASTIC), and v's
+    # (stochastic_round.v_noise_key), which every 4-bit state takes
+    key = hash32(hash32(step.to(tl.uint32)) + tl.load(salt_ptr + tensor).to(tl.uint32) * 0x9E3779B9)
+    key_v = hash32(key ^ V_NOISE_SALT_C)
+    if AMSGRAD:
+        vm_ptr = _address(row_ptrs, 6, tl.uint8, ALIGNED)
+        vms_ptr = _address(row_ptrs, 7, tl.float32, ALIGNED)
+    else:
+        vm_ptr = m_ptr
+        vms_ptr = ms_ptr
+    for j in tl.range(0, LOOP):
+        gid = first_group + j * BLOCK_G + tl.arange(0, BLOCK_G)[:, None]
+        gmask = gid < total_groups
+        lane = tl.arange(0, G)[None, :]
+        blane = tl.arange(0, G // 2)[None, :]
+        if EVEN_ROWS:
+            offs = gid * G + lane
+            mask = tl.broadcast_to(gmask, (BLOCK_G, G))
+            boffs = gid * (G // 2) + blane
+            bmask = tl.broadcast_to(gmask, (BLOCK_G, G // 2))
+        else:
+            row = gid // groups_per_row
+            col = (gid - row * groups_per_row) * G + lane
+            offs = row * n + col
+            mask = gmask & (col < n)
+            bcol = (gid - row * groups_per_row) * (G // 2) + blane
+            boffs = row * n_bytes + bcol
+            bmask = gmask & (bcol < n_bytes)
+
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_GRAD_SCALE:
+            g = g * inv_grad_scale
+        if MAXIMIZE:
+            g = -g
+
+        m = _decode4(m_ptr, ms_ptr, boffs, bmask, mask, gid, gmask, False, BLOCK_G, G)
+        v = _decode4(v_ptr, vs_ptr, boffs, bmask, mask, gid, gmask, True, BLOCK_G, G)
+        v = tl.maximum(v, m * m * inv_bound)  # Adam's own bound at decode
+        m = m + one_minus_beta1 * (g - m)
+        v = v * beta2 + one_minus_beta2 * g * g
+        sqrt_v_used = tl.sqrt(v)
+        if AMSGRAD:
+            v_max = _decode4(vm_ptr, vms_ptr, boffs, bmask, mask, gid, gmask, True, BLOCK_G, G)
+            v_max = tl.maximum(v_max, v)
+            sqrt_v_used = tl.sqrt(v_max)
+        denom = sqrt_v_used * inv_bc2_sqrt + eps
+        p = p * decay - step_size * (m * fast_rcp(denom, ON_GPU))
+        if STOCHASTIC:
+            p = round_bf16_stochastic(p, offs, key)
+        store_as(p_ptr + offs, p, mask, PARAM_DTYPE, ON_GPU)
+
+        _encode4(m, m_ptr, ms_ptr, boffs, bmask, mask, gid, gmask, 0.0, False, BLOCK_G, G, False)
+        # v rounded stochastically: uniforms from the top 24 bits of hash32(index ^ key_v) (stochastic_round.uniform_noise)
+        noise = (hash32(offs.to(tl.uint32) ^ key_v) >> 8).to(tl.float32) * 5.960464477539063e-08  # 2^-24
+        _encode4(v, v_ptr, vs_ptr, boffs, bmask, mask, gid, gmask, noise, True, BLOCK_G, G, True)
+        if AMSGRAD:  # the running maximum: to nearest
+            _encode4(v_max, vm_ptr, vms_ptr, boffs, bmask, mask, gid, gmask, 0.0, True, BLOCK_G, G, False)
