@@ -417,7 +417,7 @@ def run(preset: str, recipes: list[str], batch: int, seq: int, steps: int, warmu
             results.append(dict(row, skipped=why))
             continue
         log(f"  {name}: {stack.label} ...")
-        free_memory(compile_blocks)
+        free_memory(compile_blocks or stack.optimizer == "prepare")  # prepare compiles on CUDA by itself
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() if device == "cuda" else 0
@@ -433,7 +433,7 @@ def run(preset: str, recipes: list[str], batch: int, seq: int, steps: int, warmu
             row["error"] = f"{type(e).__name__}: {e}"[:300]
         if "error" in row:
             log(f"  {name}: {row['error']}")
-        free_memory(compile_blocks)
+        free_memory(compile_blocks or stack.optimizer == "prepare")  # prepare compiles on CUDA by itself
         results.append(row)
     env = dict(environment(), device=device, memory_cap_gib=memory_cap_gib)
     model = hf_summary(cfg) if hf_config is not None else asdict(cfg)
