@@ -16,6 +16,7 @@ on group boundaries), row lengths that are not multiples of the group size, and 
 """
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 import warnings
@@ -30,7 +31,15 @@ import lpoptim
 from lpoptim.optim import distributed as lpdist
 
 STEPS, SAVE_AT, WORLD, BATCH = 13, 3, 2, 16  # 10 steps after the save
-OPT = dict(lr=1e-2, weight_decay=0.1, min_quant_numel=200, group_size=32)
+# LPOPTIM_TEST_STATE_BITS=4 runs the whole pipeline with 4-bit states
+OPT = dict(lr=1e-2, weight_decay=0.1, min_quant_numel=200, group_size=32,
+           state_bits=int(os.environ.get("LPOPTIM_TEST_STATE_BITS", "8")))
+C = "_codes4" if OPT["state_bits"] == 4 else "_codes"  # the codes' key suffix
+
+
+def W(n: int) -> int:
+    """The codes' last dim for a row of n: halved for 4-bit states."""
+    return (n + 1) // 2 if OPT["state_bits"] == 4 else n
 
 
 class Toy(torch.nn.Module):
@@ -358,12 +367,12 @@ def test_fsdp2_bf16_mixed_precision(run):
 def test_states_follow_local_shards(run):
     s0, s1 = (r["fsdp_states"] for r in run["ranks"])
     # codes: DTensors with the parameter's global shape, uint8, local shard rows
-    assert s0["fc1.weight"]["exp_avg_codes"] == ("DTensor", "torch.uint8", (77, 48), (39, 48))
-    assert s1["fc1.weight"]["exp_avg_codes"] == ("DTensor", "torch.uint8", (77, 48), (38, 48))
+    assert s0["fc1.weight"][f"exp_avg{C}"] == ("DTensor", "torch.uint8", (77, W(48)), (39, W(48)))
+    assert s1["fc1.weight"][f"exp_avg{C}"] == ("DTensor", "torch.uint8", (77, W(48)), (38, W(48)))
     assert s0["fc1.weight"]["exp_avg_scale"] == ("DTensor", "torch.float32", (77, 2), (39, 2))
     assert s1["fc1.weight"]["exp_avg_scale"] == ("DTensor", "torch.float32", (77, 2), (38, 2))
     assert s0["head.weight"]["exp_avg_sq_scale"] == ("DTensor", "torch.float32", (1, 8), (1, 8))
-    assert s1["head.weight"]["exp_avg_sq_codes"] == ("DTensor", "torch.uint8", (1, 256), (0, 256))  # empty shard
+    assert s1["head.weight"][f"exp_avg_sq{C}"] == ("DTensor", "torch.uint8", (1, W(256)), (0, W(256)))  # empty shard
     assert s1["head.weight"]["exp_avg_sq_scale"] == ("DTensor", "torch.float32", (1, 8), (0, 8))
     assert s0["w3"]["exp_avg_scale"] == ("DTensor", "torch.float32", (12, 2), (6, 2))
     assert s1["fc2.bias"]["exp_avg_scale"] == ("DTensor", "torch.float32", (1, 8), (1, 4))  # 1-D: Shard(1)
@@ -375,7 +384,7 @@ def test_states_follow_local_shards(run):
         assert r["torch_sd"][3]["exp_avg"] == ("DTensor", "torch.float32", (77, 48))  # fc1.weight
         assert r["torch_sd"][3]["step"][0] == "Tensor"
         assert r["torch_sd_reloaded"] == r["fsdp_states"]  # same types, dtypes, global and local shapes
-        assert r["full_sd"]["fc1.weight.exp_avg_codes"].dtype == torch.uint8
+        assert r["full_sd"][f"fc1.weight.exp_avg{C}"].dtype == torch.uint8
         assert r["full_sd"]["fc1.weight.exp_avg_scale"].shape == (77, 2)
         assert r["refused"] == [(3, 2, 40), (300,)]
 
@@ -399,15 +408,15 @@ def test_dcp_1_process_to_2_ranks_continues(run):
 
 def test_dcp_keeps_codes_and_scales_dtypes(run):
     saved = run["saved_dtypes"]
-    codes = [k for k in saved if k.endswith(("exp_avg_codes", "exp_avg_sq_codes")) and "fc1.weight" in k]
+    codes = [k for k in saved if k.endswith((f"exp_avg{C}", f"exp_avg_sq{C}")) and "fc1.weight" in k]
     scales = [k for k in saved if k.endswith("_scale")]
     assert codes and scales
     assert all(saved[k] == torch.uint8 for k in codes)
     assert all(saved[k] == torch.float32 for k in scales)
     for states in (run["states_2to1"], *(r["resumed_1to2_states"] for r in run["ranks"])):
         for name in ("fc1.weight", "fc2.weight", "head.weight", "w3", "fc2.bias"):
-            assert states[name]["exp_avg_codes"][1] == "torch.uint8"
-            assert states[name]["exp_avg_sq_codes"][1] == "torch.uint8"
+            assert states[name][f"exp_avg{C}"][1] == "torch.uint8"
+            assert states[name][f"exp_avg_sq{C}"][1] == "torch.uint8"
             assert states[name]["exp_avg_scale"][1] == "torch.float32"
         assert states["fc1.bias"]["exp_avg"][1] == "torch.float32"
     assert run["states_2to1"]["fc1.weight"]["exp_avg_scale"][0] == "Tensor"  # plain tensors in one process

@@ -378,27 +378,30 @@ def _format_args(name: str, prefix: str) -> dict:
 
 
 def fused_adamw_step(batch, *, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, grad_scale=None, found_inf=None,
-                     sr_salts=None, state_salts=None):
+                     sr_salts=None, state_salts=None, state_offsets=None):
     """Steps every (param, grad, state, layout) of ``batch``: one launch per (device, dtype, layout, rows) subset.
 
     ``sr_salts``: one int per item; bf16 parameters are then rounded stochastically (reference_adamw_step's
     ``sr_salt``). ``state_salts``: one int per item, the salts of 4-bit states' stochastic rounding of v
-    (reference_adamw_step's ``state_salt``; 0 where None); where both are given they must agree (one table)."""
+    (reference_adamw_step's ``state_salt``; 0 where None); where both are given they must agree (one table).
+    ``state_offsets``: one int per item, reference_adamw_step's ``state_offset`` (0 where None)."""
     subsets: dict = {}
     for i, item in enumerate(batch):
         p, _g, _s, layout = item
         even = (p.shape[-1] if p.dim() else 1) % layout.group_size == 0
         subsets.setdefault((p.device, p.dtype, layout, even), []).append(
-            (item, None if sr_salts is None else sr_salts[i], 0 if state_salts is None else state_salts[i]))
+            (item, None if sr_salts is None else sr_salts[i],
+             (0 if state_salts is None else state_salts[i], 0 if state_offsets is None else state_offsets[i])))
     for (dev, dtype, layout, even), entries in subsets.items():
         items = [item for item, *_ in entries]
         salts = [salt for _, salt, _ in entries] if sr_salts is not None and dtype == torch.bfloat16 else None
         stochastic = salts is not None
         if layout.quantized and layout.state_bits == 4:  # one salt table: v's rounding needs it always
-            state = [salt for *_, salt in entries]
+            state = [salt for *_, (salt, _o) in entries]
             if salts is not None and salts != state:
                 raise ValueError("fused_adamw_step: sr_salts and state_salts differ for 4-bit states")
-            salts = state
+            # (salt, element offset mod 2^32 as int32) per tensor
+            salts = [x for *_, (salt, off) in entries for x in (salt, ((off + 2**31) % 2**32) - 2**31)]
         _launch(items, dev, dtype, layout, even, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                 amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf, salts=salts,
                 stochastic=stochastic)

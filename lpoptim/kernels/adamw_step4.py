@@ -132,8 +132,10 @@ def adamw4_kernel(
         inv_grad_scale = 1.0 / tl.load(grad_scale_ptr)
     # the tensor's key for this step (stochastic_round.sr_key): the bf16 rounding's (STOCHASTIC), and v's
     # (stochastic_round.v_noise_key), which every 4-bit state takes
-    key = hash32(hash32(step.to(tl.uint32)) + tl.load(salt_ptr + tensor).to(tl.uint32) * 0x9E3779B9)
+    # the salt table holds (salt, element offset) per tensor: the offset of an FSDP2 shard's first element
+    key = hash32(hash32(step.to(tl.uint32)) + tl.load(salt_ptr + 2 * tensor).to(tl.uint32) * 0x9E3779B9)
     key_v = hash32(key ^ V_NOISE_SALT_C)
+    index_offset = tl.load(salt_ptr + 2 * tensor + 1).to(tl.uint32)
     if AMSGRAD:
         vm_ptr = _address(row_ptrs, 6, tl.uint8, ALIGNED)
         vms_ptr = _address(row_ptrs, 7, tl.float32, ALIGNED)
@@ -184,7 +186,7 @@ def adamw4_kernel(
 
         _encode4(m, m_ptr, ms_ptr, boffs, bmask, mask, gid, gmask, 0.0, False, BLOCK_G, G, False)
         # v rounded stochastically: uniforms from the top 24 bits of hash32(index ^ key_v) (stochastic_round.uniform_noise)
-        noise = (hash32(offs.to(tl.uint32) ^ key_v) >> 8).to(tl.float32) * 5.960464477539063e-08  # 2^-24
+        noise = (hash32((offs.to(tl.uint32) + index_offset) ^ key_v) >> 8).to(tl.float32) * 5.960464477539063e-08
         _encode4(v, v_ptr, vs_ptr, boffs, bmask, mask, gid, gmask, noise, True, BLOCK_G, G, True)
         if AMSGRAD:  # the running maximum: to nearest
             _encode4(v_max, vm_ptr, vms_ptr, boffs, bmask, mask, gid, gmask, 0.0, True, BLOCK_G, G, False)

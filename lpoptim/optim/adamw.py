@@ -177,7 +177,7 @@ class AdamW(Optimizer):
         salts = self._salts() if bf16_sr or four else None
         options = tuple(group[k] for k in _PREPARED_BY)
         prepared = self._prepared_cache()
-        fused_batch, fused_salts = [], []
+        fused_batch, fused_salts, fused_offsets = [], [], []
         for p in params:
             grad = p.grad
             if grad is None:
@@ -198,17 +198,19 @@ class AdamW(Optimizer):
             if prep.fusable and grad.dtype == param.dtype and grad.is_contiguous() and param.is_contiguous():
                 fused_batch.append((param, grad, state, layout))
                 fused_salts.append(salts[p] if salts else 0)
+                fused_offsets.append(prep.offset)
             elif group["fused"]:
                 raise RuntimeError(f"fused=True but the Triton kernel cannot step this parameter "
                                    f"({tuple(param.shape)}, {param.dtype}, {param.device}); use fused=None")
             else:
                 reference_adamw_step(param, grad, state, layout, grad_scale=grad_scale, found_inf=found_inf,
                                      sr_salt=salts[p] if bf16_sr else None, state_salt=salts[p] if four else 0,
-                                     **hyper)
+                                     state_offset=prep.offset, **hyper)
         if fused_batch:
             kernel.fused_adamw_step(fused_batch, grad_scale=grad_scale, found_inf=found_inf,
                                     sr_salts=fused_salts if bf16_sr else None,
-                                    **(dict(state_salts=fused_salts) if four else {}), **hyper)
+                                    **(dict(state_salts=fused_salts, state_offsets=fused_offsets) if four else {}),
+                                    **hyper)
 
     # calls between sweeps at least (a sweep is ~0.1 us a parameter); at least as many as the cache holds, so that
     # stepping in backward one parameter per call still sweeps O(1) per call on average
@@ -251,7 +253,8 @@ class AdamW(Optimizer):
         # the gradient's own checks (dtype, contiguity) are made every step
         fusable = (group["fused"] is not False and param.device.type == "cuda"
                    and kernel.supports(param, param, layout))
-        return _Prepared(options, state, param, local_state, layout, dtensor, empty, fusable, (p.shape, p.dtype, p.device))
+        return _Prepared(options, state, param, local_state, layout, dtensor, empty, fusable, (p.shape, p.dtype, p.device),
+                         _dist.element_offset(p) if layout.state_bits == 4 else 0)
 
     def _salts(self) -> dict:
         """Each parameter's index over all groups: its stochastic-rounding salt (stable across save and load)."""
@@ -374,6 +377,7 @@ class _Prepared:
     empty_shard: bool
     fusable: bool  # the kernel can step it, given a gradient of its dtype and contiguous
     tensor_key: tuple  # the parameter's (shape, dtype, device) when prepared: a p.data with others re-prepares
+    offset: int = 0  # 4-bit states: the local shard's first element in the whole tensor (v's stochastic rounding)
 
 
 # the group keys torch.optim.Adam's __setstate__ fills in for state dicts saved before they existed

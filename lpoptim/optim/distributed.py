@@ -23,8 +23,8 @@ import math
 
 import torch
 
-from ..quant import num_groups
-from .state import StateLayout
+from ..quant import num_groups, packed_shape
+from .state import CODES4, StateLayout
 
 
 def is_dtensor(t) -> bool:
@@ -34,6 +34,17 @@ def is_dtensor(t) -> bool:
 def local(t):
     """The local shard of a DTensor, or the tensor itself."""
     return t.to_local() if is_dtensor(t) else t
+
+
+def element_offset(p) -> int:
+    """The index, in the whole tensor (row-major), of the local shard's first element: 0 unless ``p`` is a DTensor
+    sharded along dim 0 (what 4-bit states' stochastic rounding draws its bits by, so shards round as the whole)."""
+    if not is_dtensor(p) or p.dim() == 0:
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return int(offset[0]) * math.prod(p.shape[1:])
 
 
 def _chunks(n: int, w: int) -> list[tuple[int, int]]:
@@ -103,6 +114,8 @@ def spec_of(p, name: str, layout: StateLayout):
         return None
     if name.endswith("_scale"):
         return scale_spec(p, layout)
+    if name.endswith(CODES4):  # 4-bit codes: the last dim halved; a shard's groups are whole, so its bytes too
+        return packed_shape(p.shape), tuple(p.placements)
     return tuple(p.shape), tuple(p.placements)
 
 

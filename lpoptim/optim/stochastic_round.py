@@ -70,10 +70,12 @@ def v_noise_key(step: torch.Tensor, salt: torch.Tensor | int) -> torch.Tensor:
     return hash32(sr_key(step, salt) ^ V_NOISE_SALT)
 
 
-def uniform_noise(shape, key: torch.Tensor) -> torch.Tensor:
-    """fp32 uniforms in [0, 1) (multiples of 2^-24) of ``shape``: element i (row-major) from hash32(i ^ key)."""
+def uniform_noise(shape, key: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """fp32 uniforms in [0, 1) (multiples of 2^-24) of ``shape``: element i (row-major) from hash32(j ^ key),
+    j = (i + offset) mod 2^32. ``offset``: where a shard's first element lies in the whole tensor, so a shard
+    draws the whole tensor's bits (an FSDP2 run rounds as a single-process one)."""
     numel = 1
     for s in shape:
         numel *= s
-    idx = torch.arange(numel, device=key.device, dtype=torch.int64).view(shape)
+    idx = (torch.arange(numel, device=key.device, dtype=torch.int64).view(shape) + offset) & MASK32
     return (hash32(idx ^ key) >> 8).float() * 2.0 ** -24
