@@ -19,9 +19,9 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
 - ``activations``: "fp8" (what the blocks save for backward kept in FP8), "recompute" (only each block's input
   kept, in FP8; blocks recomputed in backward), a number in (0, 1) (compiled blocks only: Inductor keeps that
   fraction of what the block would save and recomputes the rest, ``activation_memory_budget``, set for these
-  blocks alone) or None. Auto: None unless the memory budget needs it; then, compiled, a budget of 0.6 before
-  recompute (on HF Llama-2-7B at 1 x 2048, one H100: 29.9 GiB at 11.5 k tokens/s, where FP8 activations
-  gave 30.8 GiB at the same speed), eager, FP8 activations before recompute.
+  blocks alone) or None. Auto: None unless the memory budget needs it; then, compiled, budgets of 0.7, 0.5 and 0.3
+  before recompute (on HF Llama-2-7B at 1 x 2048, one H100, a budget of 0.6 gave 29.9 GiB at 11.6 k tokens/s
+  where FP8 activations gave 30.8 GiB at 10.2-11.5 k); eager, FP8 activations before recompute.
 - ``compile``: each block compiled in place (``block.compile()``: parameter names and state_dict unchanged).
   Auto: on CUDA.
 - ``step_in_backward``: each parameter updated during backward and its gradient freed at once, so the whole
@@ -57,7 +57,7 @@ from .optim import step_in_backward as fuse_step_into_backward
 
 AUTO = "auto"
 ACTIVATIONS = (None, "fp8", "recompute")
-AUTO_BUDGET = 0.6  # the activation budget the auto ladder tries on compiled blocks (see the module docstring)
+AUTO_BUDGETS = (0.7, 0.5, 0.3)  # the activation budgets the auto ladder tries on compiled blocks, fastest first
 
 
 @dataclass
@@ -250,7 +250,7 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
                              "it (model.gradient_checkpointing_disable()), or pass activations=None")
         activations, reasons["activations"] = None, "HF gradient checkpointing already recomputes the blocks"
     if activations == AUTO:
-        activation_choices = [None, AUTO_BUDGET if compile else "fp8", "recompute"]
+        activation_choices = [None, *(AUTO_BUDGETS if compile else ["fp8"]), "recompute"]
     else:
         activation_choices = [activations or None]
 
