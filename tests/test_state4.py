@@ -418,3 +418,46 @@ def test_adams_own_bound_always_holds(flags):
             step = (p.detach() - before * (1 - lr * wd)).abs()
             assert (step <= bound * (1 + 1e-4) + 2 * torch.finfo(torch.float32).eps * before.abs()).all(), \
                 f"{name}, step {t}: {step.max().item():.4g} > {bound:.4g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_other_parameter_dtypes_and_bf16_stochastic_rounding(dtype):
+    """bf16 parameters with bf16_stochastic_round (the parameter's bits and v's from one salt, different keys)
+    and float64 parameters (fp32 codes' scales, float64 arithmetic) train and resume bit-exactly."""
+    opts = dict(bf16_stochastic_round=True) if dtype == torch.bfloat16 else {}
+    a = _model().to(dtype)
+    opt_a = lpoptim.AdamW(a.parameters(), lr=1e-3, state_bits=4, **opts)
+
+    def train(model, opt, steps, seed):
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            model(torch.randn(16, 256, generator=gen).to(dtype)).float().square().mean().backward()
+            opt.step()
+    train(a, opt_a, 2, 1)
+    b = _model().to(dtype)
+    b.load_state_dict(a.state_dict())
+    opt_b = lpoptim.AdamW(b.parameters(), lr=1e-3, state_bits=4, **opts)
+    opt_b.load_state_dict(_save_load(opt_a.state_dict()))
+    train(a, opt_a, 2, 2)
+    train(b, opt_b, 2, 2)
+    assert all(torch.equal(pa, pb) for pa, pb in zip(a.parameters(), b.parameters()))
+    assert all(torch.isfinite(p).all() for p in a.parameters())
+    assert a[0].weight.dtype == dtype and "exp_avg_codes4" in opt_a.state[a[0].weight]
+
+
+def test_step_in_backward_with_4bit_states():
+    """lpoptim.step_in_backward steps each parameter as its gradient is ready: the same result as opt.step()."""
+    a, b = _model(), _model()
+    opt_a = lpoptim.AdamW(a.parameters(), lr=1e-3, state_bits=4)
+    opt_b = lpoptim.AdamW(b.parameters(), lr=1e-3, state_bits=4)
+    handle = lpoptim.step_in_backward(opt_b)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(16, 256, generator=gen)
+        opt_a.zero_grad(set_to_none=True)
+        a(x).square().mean().backward()
+        opt_a.step()
+        b(x).square().mean().backward()
+    assert all(torch.equal(pa, pb) for pa, pb in zip(a.parameters(), b.parameters()))
+    del handle

@@ -15,7 +15,7 @@ from ..formats import FloatFormat, get_format
 from ..quant import num_groups
 from . import distributed as _dist
 from .reference import MOMENTS, load_moment, reference_adamw_step
-from .state import CODES, CODES4, StateLayout, init_state, moment_dtype, state_bits_of, stored_moment
+from .state import CODES, StateLayout, init_state, moment_dtype, state_bits_of, stored_moment
 
 LPOPTIM_DEFAULTS = dict(
     exp_avg_format="e4m3",
@@ -253,8 +253,8 @@ class AdamW(Optimizer):
         # the gradient's own checks (dtype, contiguity) are made every step
         fusable = (group["fused"] is not False and param.device.type == "cuda"
                    and kernel.supports(param, param, layout))
-        return _Prepared(options, state, param, local_state, layout, dtensor, empty, fusable, (p.shape, p.dtype, p.device),
-                         _dist.element_offset(p) if layout.state_bits == 4 else 0)
+        return _Prepared(options, state, param, local_state, layout, dtensor, empty, fusable,
+                         (p.shape, p.dtype, p.device), _dist.element_offset(p) if layout.state_bits == 4 else 0)
 
     def _salts(self) -> dict:
         """Each parameter's index over all groups: its stochastic-rounding salt (stable across save and load)."""
@@ -271,7 +271,8 @@ class AdamW(Optimizer):
     # ---- state dicts ---------------------------------------------------------------------------------------
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Loads lpoptim's own state dicts exactly and torch.optim.AdamW's by quantizing them.
+        """Loads lpoptim's own state dicts exactly and torch.optim.AdamW's by quantizing them (and an FP8 state into a
+        group with state_bits=4, or a 4-bit one into state_bits=8, by decoding and encoding it again).
 
         torch.optim.Optimizer.load_state_dict's steps and hook semantics: the pre-hooks run first and what they
         return is what gets loaded; the post-hooks run last and see the final state. Unlike torch's base class,
@@ -487,7 +488,8 @@ def _convert_state(state: dict, param: torch.Tensor, layout: StateLayout) -> dic
                         if k in (name, name + layout.codes_suffix, name + "_scale")})
         elif present:
             # a 4-bit state (codes4) decodes as such whatever this layout says; an FP8 one by the saved codes
-            source = dataclasses.replace(layout, quantized=quantized_in, state_bits=bits_in, sqrt_v=layout.sqrt_v and bits_in == 8)
+            source = dataclasses.replace(layout, quantized=quantized_in, state_bits=bits_in,
+                                         sqrt_v=layout.sqrt_v and bits_in == 8)
             value = load_moment(state, name, source, param.shape)
             out.update(encode_moment(name, value.to(param.device), layout))
     return out
