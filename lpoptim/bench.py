@@ -133,6 +133,8 @@ def build(stack: Stack, cfg: LlamaConfig, device: str, compile_blocks: bool):
     groups, lr, betas = model.param_groups(0.1), 1e-4, (0.9, 0.95)
     if stack.optimizer in ("torch", "lpoptim"):
         options = dict(fused=True) if stack.optimizer == "torch" and device == "cuda" else {}
+        if stack.state_bits == 4:
+            options["state_bits"] = 4
         opt = build_optimizer(RunConfig(optimizer=stack.optimizer, lr=lr, betas=betas, weight_decay=0.1, master=stack.master,
                                         optimizer_options=options), model)
     elif stack.optimizer == "bnb":
@@ -208,11 +210,11 @@ def build_hf(stack: Stack, hf_config, device: str, compile_blocks: bool, tokens:
                            chunked_loss=stack.chunked_loss,
                            activations="recompute" if stack.recompute else "fp8" if stack.compress else
                            stack.activation_budget)
-        chosen = plan(model, **options)
+        chosen = plan(model, **options, state_bits=stack.state_bits)
         info["plan"] = chosen.summary()
         info["estimated_peak_bytes"] = estimate_peak_bytes(model, model.get_submodule(chosen.blocks), chosen, tokens)
         info["budget_gib"] = options.get("max_memory_gib")
-        opt = prepare(model, lr, betas=betas, weight_decay=0.1, **options)
+        opt = prepare(model, lr, betas=betas, weight_decay=0.1, state_bits=stack.state_bits, **options)
         return model, opt, None, info
     if stack.linears == "torchao":
         from torchao.float8 import convert_to_float8_training

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .quant import num_groups
+from .quant import num_groups, packed_shape
 
 BUCKET_BYTES = 256 * 2**20  # step_in_backward's default bucket
 # the caching allocator's block rounding and fragmentation: the measured peaks of HF Llama-2-7B and 13B (1 x 2048,
@@ -31,7 +31,7 @@ FACTOR = {(True, False, False): 1.0, (True, False, True): 0.62, (True, True, Fal
           (False, False, False): 1.0, (False, False, True): 0.32, (False, True, False): 1.0, (False, True, True): 0.5}
 
 
-def state_bytes(shape, min_quant_numel: int = 4096, group_size: int = 128) -> float:
+def state_bytes(shape, min_quant_numel: int = 4096, group_size: int = 128, state_bits: int = 8) -> float:
     """lpoptim.AdamW's state bytes for one parameter of this shape (a tensor, its shape, or a number of elements
     for a 1-D one): two moments and the fp32 step count. Quantized moments have one fp32 scale per group of
     ``group_size`` along the last dimension (a row shorter than a group has one of its own), as
@@ -43,7 +43,8 @@ def state_bytes(shape, min_quant_numel: int = 4096, group_size: int = 128) -> fl
     if numel < min_quant_numel:
         return 8.0 * numel + 4
     rows, groups = num_groups(shape, group_size)
-    return 2 * (numel + 4 * rows * groups) + 4
+    codes = numel if state_bits == 8 else torch.Size(packed_shape(shape)).numel()  # 4 bits: two codes a byte
+    return 2 * (codes + 4 * rows * groups) + 4
 
 
 def linear_input_features(block: nn.Module) -> int:
@@ -55,7 +56,7 @@ def estimate_peak_bytes(model: nn.Module, blocks: nn.ModuleList, plan, tokens: i
     """Estimated peak bytes of one training step of ``model`` under ``plan`` (a planner.Plan) at ``tokens`` tokens."""
     params = [p for p in model.parameters() if p.requires_grad]
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    states = sum(state_bytes(p) for p in params)
+    states = sum(state_bytes(p, state_bits=getattr(plan, "state_bits", 8)) for p in params)
     grads = [p.numel() * p.element_size() for p in params]
     elem = min(p.element_size() for p in blocks.parameters())
     per_block_token = ALPHA[plan.compile] * linear_input_features(blocks[0]) * elem

@@ -72,6 +72,7 @@ class Plan:
     chunked_loss: bool
     bf16_stochastic_round: bool
     use_cache_off: bool
+    state_bits: int = 8  # the optimizer's (an optimizer argument; the estimate counts its states)
     reasons: dict = field(default_factory=dict)  # part -> why it is what it is
     estimate_gib: dict | None = None  # the budget's estimates, candidate name -> GiB (None: no budget given)
     handles: list = field(default_factory=list, repr=False)
@@ -94,6 +95,7 @@ class Plan:
                 ("step_in_backward", "yes" if self.step_in_backward else "no"),
                 ("chunked_loss", "yes" if self.chunked_loss else "no"),
                 ("bf16_stochastic_round", "yes" if self.bf16_stochastic_round else "no"),
+                ("state_bits", str(self.state_bits)),
                 ("use_cache", "turned off" if self.use_cache_off else "unchanged")]
         lines = ["lpoptim.prepare:"]
         for key, value in rows:
@@ -187,7 +189,8 @@ def _check_choice(name: str, value, allowed) -> None:
 
 
 def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compile=AUTO, step_in_backward=AUTO,
-         chunked_loss=AUTO, max_memory_gib: float | None = None, tokens: int | None = None) -> Plan:
+         chunked_loss=AUTO, max_memory_gib: float | None = None, tokens: int | None = None,
+         state_bits: int = 8) -> Plan:
     """What ``prepare`` would do to ``model`` with these options, and why; changes nothing."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"lpoptim.prepare takes an nn.Module, got {type(model).__name__}")
@@ -259,7 +262,8 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     bf16 = any(p.dtype == torch.bfloat16 for p in params)
     result = Plan(blocks=name, n_blocks=len(stack), linears=linears, activations=activation_choices[0],
                   compile=bool(compile), step_in_backward=bool(step_in_backward), chunked_loss=bool(chunked_loss),
-                  bf16_stochastic_round=bf16, use_cache_off=use_cache_off, reasons=reasons, model=model)
+                  bf16_stochastic_round=bf16, use_cache_off=use_cache_off, state_bits=state_bits, reasons=reasons,
+                  model=model)
     if bf16:
         reasons["bf16_stochastic_round"] = "bf16 parameters: no fp32 master copy"
     if max_memory_gib is None:
@@ -287,7 +291,7 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
     Every argument is checked, and the plan made, before the model is touched."""
     result = plan(model, blocks=blocks, linears=linears, activations=activations, compile=compile,
                   step_in_backward=step_in_backward, chunked_loss=chunked_loss, max_memory_gib=max_memory_gib,
-                  tokens=tokens)
+                  tokens=tokens, state_bits=optimizer_kwargs.get("state_bits", 8))
     if result.bf16_stochastic_round:
         optimizer_kwargs.setdefault("bf16_stochastic_round", True)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -29,6 +29,7 @@ PARTS = {
     "sacNN": "with --compile: Inductor keeps NN% of the activations (1-100), recomputes the rest",
     "cg": "with --compile on CUDA: compiled blocks replayed as CUDA graphs",
     "ckpt": "with --hf-config: the model's own (HF) gradient checkpointing",
+    "s4": "lpoptim's moments in 4 bits (state_bits=4; lpoptim and prepare only)",
     "<linear recipe>": ", ".join(RECIPES) + f" (convert_linears; default {DEFAULT_RECIPE})",
 }
 
@@ -51,12 +52,14 @@ class Stack:
     # the allocator's "allocated" figure does not see during replays, so bench reports the reserved peak.
     cuda_graphs: bool = False
     hf_checkpointing: bool = False  # HF models: gradient_checkpointing_enable()
+    state_bits: int = 8  # lpoptim.AdamW's state_bits
 
     @property
     def name(self) -> str:
         """The canonical spelling: optimizer, then the parts in a fixed order."""
         parts = [self.optimizer]
         parts += ["bf16"] if self.master == "bf16" else []
+        parts += ["s4"] if self.state_bits == 4 else []
         parts += [self.linears] if self.linears and self.optimizer != "torchao" else []
         parts += ["rec"] if self.recompute else ["act"] if self.compress else []
         parts += ["bwd"] if self.in_backward else []
@@ -68,7 +71,7 @@ class Stack:
 
     @property
     def label(self) -> str:
-        words = [OPTIMIZERS[self.optimizer]]
+        words = [OPTIMIZERS[self.optimizer] + (" with 4-bit states" if self.state_bits == 4 else "")]
         if self.master == "bf16":
             words.append("bf16 params" + (" (stochastic rounding)" if self.optimizer == "lpoptim" else ""))
         if self.linears and self.optimizer != "torchao":
@@ -101,7 +104,7 @@ def parse_stack(name: str) -> Stack:
     """The Stack a name spells; ValueError (naming the valid parts) for anything else."""
     def bad(why: str) -> ValueError:
         return ValueError(f"recipe {name!r}: {why}; a recipe is an optimizer ({', '.join(OPTIMIZERS)}) followed by "
-                          f"+parts: bf16, act, rec, bwd, ce, sacNN, cg, ckpt, or a linear recipe ({', '.join(RECIPES)})")
+                          f"+parts: bf16, s4, act, rec, bwd, ce, sacNN, cg, ckpt, or a linear recipe ({', '.join(RECIPES)})")
 
     if not isinstance(name, str):
         raise TypeError(f"a recipe name is a string, got {type(name).__name__}")
@@ -129,6 +132,8 @@ def parse_stack(name: str) -> Stack:
             kw["cuda_graphs"] = True
         elif p == "ckpt":
             kw["hf_checkpointing"] = True
+        elif p == "s4":
+            kw["state_bits"] = 4
         elif p.startswith("sac"):
             pct = p[3:]
             if not (pct.isascii() and pct.isdigit() and 0 < int(pct) <= 100):
@@ -142,8 +147,10 @@ def parse_stack(name: str) -> Stack:
             raise bad(f"unknown part {p!r}")
     if kw.get("in_backward") and optimizer != "lpoptim":
         raise bad("bwd (step_in_backward) needs the lpoptim optimizer")
-    if optimizer == "prepare" and set(parts) - {"bf16"}:
-        raise bad("prepare makes its own choices: it takes +bf16 only")
+    if optimizer == "prepare" and set(parts) - {"bf16", "s4"}:
+        raise bad("prepare makes its own choices: it takes +bf16 and +s4 only")
+    if kw.get("state_bits") == 4 and optimizer not in ("lpoptim", "prepare"):
+        raise bad("s4 (4-bit states) needs the lpoptim optimizer")
     if kw.get("hf_checkpointing") and kw.get("compress"):
         raise bad("ckpt (HF gradient checkpointing) and act/rec exclude each other")
     return Stack(**kw)

@@ -176,3 +176,10 @@ def test_bundled_hf_configs_load():
     for name, layers, width in (("llama2-7b", 32, 4096), ("llama2-13b", 40, 5120)):
         cfg = bench.load_hf_config(name)
         assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.use_cache) == ("llama", layers, width, False)
+
+
+def test_four_bit_states_part():
+    for name in ("lpoptim+bf16+s4+bwd", "prepare+bf16+s4"):
+        stack = parse_stack(name)
+        assert stack.state_bits == 4 and parse_stack(stack.name) == stack and "4-bit states" in stack.label
+    assert parse_stack("lpoptim").state_bits == 8

@@ -33,6 +33,8 @@ BAD_ARGS = [
     ["bench", "--hf-config", "llama2-7b", "--preset", "tiny"],
     ["bench", "--recipes", "prepare+act"],  # prepare makes its own choices
     ["bench", "--recipes", "lpoptim+act+ckpt"],  # HF checkpointing and FP8 activations exclude each other
+    ["bench", "--recipes", "torch+s4"],  # 4-bit states are lpoptim's
+    ["bench", "--budget-gib", "30"],  # prepare's budget: with --hf-config only
 ]
 
 

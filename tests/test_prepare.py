@@ -543,11 +543,16 @@ def test_budget_picks_by_the_estimates():
     assert opt.plan.activations == "fp8" and opt.plan.handles
 
 
-def test_estimated_state_bytes_are_lpoptims():
+@pytest.mark.parametrize("state_bits", [8, 4])
+def test_estimated_state_bytes_are_lpoptims(state_bits):
     """The static part of the estimate: lpoptim.memory.state_bytes per parameter against what lpoptim.state_bytes
-    counts after a real step (exact), and the estimate at 0 tokens is parameters + states + gradients."""
+    counts after a real step (exact), FP8 and 4-bit states, and the estimate at 0 tokens is parameters + states +
+    gradients, with the allocator's margin."""
+    from lpoptim.memory import ALLOCATOR_OVERHEAD
+
     model = _tiny_llama(intermediate_size=160)  # rows of 64 and of 160: one scale per row, two per row
-    opt = prepare(model, lr=1e-3, compile=False, step_in_backward=False)
+    opt = prepare(model, lr=1e-3, compile=False, step_in_backward=False, state_bits=state_bits)
+    assert opt.plan.state_bits == state_bits and opt.param_groups[0]["state_bits"] == state_bits
     ids = torch.randint(0, 128, (2, 16))
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
@@ -556,15 +561,17 @@ def test_estimated_state_bytes_are_lpoptims():
     assert any(p.numel() >= 4096 and p.shape[-1] < 128 for p in params)  # groups per row, not per 128 elements
     assert any(p.numel() < 4096 for p in params)  # fp32 moments
     exact = lpoptim.state_bytes(opt)["total_bytes"]
-    assert sum(estimated_state_bytes(p) for p in params) == exact
+    assert sum(estimated_state_bytes(p, state_bits=state_bits) for p in params) == exact
     for p in params:  # per parameter too
-        single = lpoptim.AdamW([nn.Parameter(p.detach().clone())])
+        single = lpoptim.AdamW([nn.Parameter(p.detach().clone())], state_bits=state_bits)
         single.param_groups[0]["params"][0].grad = torch.ones_like(p)
         single.step()
-        assert estimated_state_bytes(p) == lpoptim.state_bytes(single)["total_bytes"], tuple(p.shape)
+        assert estimated_state_bytes(p, state_bits=state_bits) == lpoptim.state_bytes(single)["total_bytes"], \
+            tuple(p.shape)
     nbytes = sum(p.numel() * p.element_size() for p in params)
     static = estimate_peak_bytes(model, model.model.layers, opt.plan, 0)
-    assert static == nbytes + exact + nbytes  # parameters, states, all gradients (no step in backward)
+    # parameters, states, all gradients (no step in backward), and the allocator's margin
+    assert static == pytest.approx((nbytes + exact + nbytes) * ALLOCATOR_OVERHEAD, rel=1e-12)
 
 
 # ---- 6. bf16 parameters ----------------------------------------------------------------------------------------
