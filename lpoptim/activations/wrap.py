@@ -23,6 +23,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
+from ..instance_forward import had_own_forward, install_forward, remove_forward
 from .graph_hooks import GraphHooks
 from .hooks import PackContext
 from .policy import ActivationPolicy
@@ -186,21 +187,11 @@ def _close(ctx: PackContext, *exc) -> None:
 
 
 def _wrap(module: nn.Module, handle: ActivationHandle):
-    had_forward = "forward" in module.__dict__
-    fwd = _WrappedForward(module, module.forward, had_forward, handle)
-    module.forward = fwd
-    # Straight into __dict__: OptimizedModule (torch.compile) forwards unknown attributes to the module it wraps.
-    module.__dict__[_ATTR] = fwd
+    install_forward(module, _ATTR, _WrappedForward(module, module.forward, had_own_forward(module), handle))
 
 
 def _unwrap(module: nn.Module):
-    fwd = module.__dict__.pop(_ATTR, None)
-    if fwd is None:
-        return
-    if fwd.had_forward:
-        module.forward = fwd.original
-    else:
-        del module.forward
+    remove_forward(module, _ATTR)
 
 
 def is_wrapped(module: nn.Module) -> bool:

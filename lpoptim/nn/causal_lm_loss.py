@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..instance_forward import had_own_forward, install_forward, remove_forward
 from .linear_cross_entropy import linear_cross_entropy
 
 _ATTR = "_lpoptim_chunked_loss"
@@ -122,17 +123,10 @@ def chunk_causal_lm_loss(model: nn.Module, chunk: int | None = None) -> nn.Modul
         raise ValueError(f"chunk_causal_lm_loss: {why}")
     if _ATTR in model.__dict__:
         return model
-    had_forward = "forward" in model.__dict__
-    model.forward = model.__dict__[_ATTR] = _ChunkedLossForward(model, model.forward, had_forward, chunk)
+    install_forward(model, _ATTR, _ChunkedLossForward(model, model.forward, had_own_forward(model), chunk))
     return model
 
 
 def restore_causal_lm_loss(model: nn.Module) -> None:
     """Undo ``chunk_causal_lm_loss``."""
-    fwd = model.__dict__.pop(_ATTR, None)
-    if fwd is None:
-        return
-    if fwd.had_forward:
-        model.forward = fwd.original
-    else:
-        del model.forward
+    remove_forward(model, _ATTR)
