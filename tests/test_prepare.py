@@ -670,7 +670,7 @@ def test_trainer_resume_is_exact(tmp_path):
     assert moved == len(init)
 
 
-def test_activation_budget_is_set_for_the_compiled_blocks_alone():
+def test_activation_budget_is_set_for_the_compiled_blocks_alone(monkeypatch):
     """activations=0.5 on compiled blocks: Inductor's partitioner gets the budget while each block's graph is
     compiled (its first call), the process-wide setting is untouched, and the gradients are the uncompiled
     model's (recomputing in backward is the same arithmetic)."""
@@ -683,22 +683,19 @@ def test_activation_budget_is_set_for_the_compiled_blocks_alone():
     prepared = copy.deepcopy(model)
     default = functorch_config.activation_memory_budget
     seen = []
-    import torch._functorch.partitioners as partitioners
+    import torch._inductor.compile_fx as compile_fx  # Inductor calls the partitioner by the name it imported
 
-    original = partitioners.min_cut_rematerialization_partition
+    original = compile_fx.min_cut_rematerialization_partition
 
     def spy(*args, **kwargs):
         seen.append(functorch_config.activation_memory_budget)
         return original(*args, **kwargs)
 
-    partitioners.min_cut_rematerialization_partition = spy
-    try:  # no compiled-graph caches: a cached graph is not partitioned again
-        with torch._inductor.config.patch(fx_graph_cache=False), \
-                functorch_config.patch(enable_autograd_cache=False):
-            opt = prepare(prepared, lr=1e-3, compile=True, activations=0.5, linears=None, step_in_backward=False)
-            got = _grads(prepared, batch)
-    finally:
-        partitioners.min_cut_rematerialization_partition = original
+    monkeypatch.setattr(compile_fx, "min_cut_rematerialization_partition", spy)
+    # no compiled-graph caches: a cached graph is not partitioned again
+    with torch._inductor.config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        opt = prepare(prepared, lr=1e-3, compile=True, activations=0.5, linears=None, step_in_backward=False)
+        got = _grads(prepared, batch)
     assert opt.plan.activations == 0.5 and "50%" in opt.plan.summary()
     assert seen and set(seen) == {0.5}, seen
     assert functorch_config.activation_memory_budget == default
