@@ -42,7 +42,7 @@ PRESETS = {
                       warmup=200, betas=(0.9, 0.95), eval_every=250, eval_batches=20),
 }
 # the loop builds its own model, optimizer and data: these parts are bench's alone
-TRAIN_PARTS = "an optimizer (torch, lpoptim), then any of +bf16, +act, +<linear recipe>"
+TRAIN_PARTS = "an optimizer (torch, lpoptim), then any of +bf16, +s4, +act, +<linear recipe>"
 
 
 class Parser(argparse.ArgumentParser):
@@ -83,7 +83,9 @@ def train_run(stack: Stack) -> dict:
     if (stack.optimizer not in ("torch", "lpoptim") or stack.recompute or stack.in_backward or stack.chunked_loss
             or stack.activation_budget is not None or stack.cuda_graphs):
         raise ValueError(f"run {stack.name!r}: train takes {TRAIN_PARTS}")
-    return dict(optimizer=stack.optimizer, recipe=stack.linears, compress=stack.compress, master=stack.master)
+    options = dict(state_bits=4) if stack.state_bits == 4 else {}
+    return dict(optimizer=stack.optimizer, recipe=stack.linears, compress=stack.compress, master=stack.master,
+                optimizer_options=options)
 
 
 def train_runs(text: str) -> list[tuple[str, dict]]:

@@ -182,3 +182,9 @@ def test_train_presets_build_the_models_they_name():
         params = sum(p.numel() for p in model.parameters())
         if name == "gpt2-113m":
             assert params >= 100e6 and preset["block_size"] >= 512 and preset["steps"] >= 2000
+
+
+def test_train_runs_take_four_bit_states():
+    (name, run), = cli.train_runs("lpoptim+s4")
+    assert name == "lpoptim+s4" and run["optimizer_options"] == {"state_bits": 4}
+    assert cli.train_runs("lpoptim")[0][1]["optimizer_options"] == {}

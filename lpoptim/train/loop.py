@@ -45,6 +45,8 @@ class RunConfig:
     @property
     def label(self) -> str:
         parts = ["lpoptim.AdamW" if self.optimizer == "lpoptim" else "torch AdamW"]
+        if self.optimizer_options.get("state_bits") == 4:
+            parts[0] += " 4-bit states"
         if self.recipe:
             parts.append(f"{self.recipe} linears")
         if self.compress:
