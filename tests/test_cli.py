@@ -97,7 +97,7 @@ def test_one_vocabulary_for_train_bench_and_convert_linears():
     assert parse_stack("lpoptim-bf16+fp8tf+bwd+ce+sac55") == parse_stack("lpoptim+bf16+fp8_tensor_fast+bwd+ce+sac55")
     assert parse_stack("bf16") == parse_stack("torch") and parse_stack("torch-bf16") == parse_stack("torch+bf16")
     assert cli.train_run(parse_stack("lpoptim+fp8d+act")) == dict(optimizer="lpoptim", recipe="fp8_delayed",
-                                                                 compress=True, master="fp32")
+                                                                 compress=True, master="fp32", optimizer_options={})
     m = lpoptim.convert_linears(torch.nn.Sequential(torch.nn.Linear(32, 32)))
     assert m[0].recipe.name == "fp8_delayed" == lpoptim.nn.recipes.DEFAULT_RECIPE
     assert lpoptim.convert_linears(torch.nn.Sequential(torch.nn.Linear(32, 32)), "fp8d")[0].recipe.name == "fp8_delayed"
