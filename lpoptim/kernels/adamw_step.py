@@ -69,6 +69,66 @@ if HAVE_TRITON:
         return ptr
 
     @triton.jit
+    def _program_tensor(pid, ptrs, dims, blocks, PARAM_DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+        """This program's tensor (from the batch tables), its first group, row length, groups per row, groups,
+        its row of the address table, and the addresses of the parameter, gradient and m's and v's codes and
+        scales; both kernels' first lines."""
+        tensor = tl.load(blocks + 2 * pid)
+        first_group = tl.load(blocks + 2 * pid + 1)
+        n = tl.load(dims + 3 * tensor)  # row length
+        groups_per_row = tl.load(dims + 3 * tensor + 1)
+        total_groups = tl.load(dims + 3 * tensor + 2)
+        row_ptrs = ptrs + N_PTRS_C * tensor
+        p_ptr = _address(row_ptrs, 0, PARAM_DTYPE, ALIGNED)
+        g_ptr = _address(row_ptrs, 1, PARAM_DTYPE, ALIGNED)
+        m_ptr = _address(row_ptrs, 2, tl.uint8, ALIGNED)
+        ms_ptr = _address(row_ptrs, 3, tl.float32, ALIGNED)
+        v_ptr = _address(row_ptrs, 4, tl.uint8, ALIGNED)
+        vs_ptr = _address(row_ptrs, 5, tl.float32, ALIGNED)
+        return tensor, first_group, n, groups_per_row, total_groups, row_ptrs, p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr
+
+    @triton.jit
+    def _tile(first_group, j, n, groups_per_row, total_groups, BLOCK_G: tl.constexpr, G: tl.constexpr,
+              EVEN_ROWS: tl.constexpr):
+        """The j-th [BLOCK_G, G] tile of a program: one quantization group per row (gid, gmask: [BLOCK_G, 1]),
+        its elements' offsets in the tensor and their mask."""
+        gid = first_group + j * BLOCK_G + tl.arange(0, BLOCK_G)[:, None]
+        gmask = gid < total_groups
+        lane = tl.arange(0, G)[None, :]
+        if EVEN_ROWS:  # rows are whole groups: the groups lie end to end
+            offs = gid * G + lane
+            mask = tl.broadcast_to(gmask, (BLOCK_G, G))  # whole groups: one mask bit per group
+        else:  # the last group of each row is short
+            row = gid // groups_per_row
+            col = (gid - row * groups_per_row) * G + lane
+            offs = row * n + col
+            mask = gmask & (col < n)
+        return gid, gmask, offs, mask
+
+    @triton.jit
+    def _step_scalars(row_ptrs, lr_ptr, decay_ptr, lr, decay, beta1, beta2, bound_ratio, bound_log2_ratio,
+                      bound_numer, LR_IS_TENSOR: tl.constexpr, ON_GPU: tl.constexpr):
+        """A tensor's step count and what it gives this step: (step, 1 / sqrt(1 - beta2^t), 1 / K of Adam's
+        bound, lr / bc1, 1 - lr * weight_decay); both kernels' prologue."""
+        # the bias corrections from the step count (already advanced by the host's one _foreach_add_), with the
+        # torch ops the reference's host code used (powf, 1 / x, rsqrtf): here they cost nothing, there they were
+        # seven tiny launches per batch, which stepping in backward (a batch every few parameters) paid ~100 times
+        step = tl.load(_address(row_ptrs, STEP_COLUMN_C, tl.float32, False))
+        bias_correction1 = 1.0 - _pow(beta1, step, ON_GPU)
+        inv_bc2_sqrt = tl.rsqrt(1.0 - _pow(beta2, step, ON_GPU))  # 1 / sqrt(1 - beta2^t)
+        # 1 / K of Adam's own bound m^2 <= K v after step - 1 steps (quant.adam_bound_inv; unused by fp32 moments)
+        steps_before = step - 1.0  # r^n as 2^(n log2 r): one ex2 and one rcp, no powf, no division
+        bound_denom = tl.where(bound_ratio == 1.0, steps_before, 1.0 - fast_exp2(steps_before * bound_log2_ratio, ON_GPU))
+        inv_bound = bound_numer * fast_rcp(bound_denom, ON_GPU)
+        inv_bound = tl.where((inv_bound > 0) & (inv_bound < float("inf")), inv_bound, 0.0)  # no step yet: 0
+        if LR_IS_TENSOR:  # lr and 1 - lr * weight_decay on the device: lr / bc1
+            step_size = tl.math.div_rn(tl.load(lr_ptr), bias_correction1)
+            decay = tl.load(decay_ptr)
+        else:  # a float lr: torch's float / tensor is reciprocal() * lr
+            step_size = lr * tl.math.div_rn(1.0, bias_correction1)
+        return step, inv_bc2_sqrt, inv_bound, step_size, decay
+
+    @triton.jit
     def _pow(base, exponent, ON_GPU: tl.constexpr):
         """base ** exponent in fp32: CUDA's powf, as torch's pow on the GPU (the interpreter has no libdevice)."""
         if ON_GPU:
@@ -162,36 +222,12 @@ if HAVE_TRITON:
         if HAS_FOUND_INF:
             if tl.load(found_inf_ptr) != 0:
                 return
-        tensor = tl.load(blocks + 2 * pid)
-        first_group = tl.load(blocks + 2 * pid + 1)
-        n = tl.load(dims + 3 * tensor)  # row length
-        groups_per_row = tl.load(dims + 3 * tensor + 1)
-        total_groups = tl.load(dims + 3 * tensor + 2)
-        row_ptrs = ptrs + N_PTRS_C * tensor
-        p_ptr = _address(row_ptrs, 0, PARAM_DTYPE, ALIGNED)
-        g_ptr = _address(row_ptrs, 1, PARAM_DTYPE, ALIGNED)
-        m_ptr = _address(row_ptrs, 2, tl.uint8, ALIGNED)
-        ms_ptr = _address(row_ptrs, 3, tl.float32, ALIGNED)
-        v_ptr = _address(row_ptrs, 4, tl.uint8, ALIGNED)
-        vs_ptr = _address(row_ptrs, 5, tl.float32, ALIGNED)
+        (tensor, first_group, n, groups_per_row, total_groups, row_ptrs, p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr,
+         vs_ptr) = _program_tensor(pid, ptrs, dims, blocks, PARAM_DTYPE, ALIGNED)
 
-        # the bias corrections from the step count (already advanced by the host's one _foreach_add_), with the
-        # torch ops the reference's host code used (powf, 1 / x, rsqrtf): here they cost nothing, there they were
-        # seven tiny launches per batch, which stepping in backward (a batch every few parameters) paid ~100 times
-        step = tl.load(_address(row_ptrs, STEP_COLUMN_C, tl.float32, False))
-        bias_correction1 = 1.0 - _pow(beta1, step, ON_GPU)
-        inv_bc2_sqrt = tl.rsqrt(1.0 - _pow(beta2, step, ON_GPU))  # 1 / sqrt(1 - beta2^t)
-        if QUANT:  # 1 / K of Adam's own bound m^2 <= K v after step - 1 steps (quant.adam_bound_inv)
-            steps_before = step - 1.0  # r^n as 2^(n log2 r): one ex2 and one rcp, no powf, no division
-            bound_denom = tl.where(bound_ratio == 1.0, steps_before,
-                                   1.0 - fast_exp2(steps_before * bound_log2_ratio, ON_GPU))
-            inv_bound = bound_numer * fast_rcp(bound_denom, ON_GPU)
-            inv_bound = tl.where((inv_bound > 0) & (inv_bound < float("inf")), inv_bound, 0.0)  # no step yet: 0
-        if LR_IS_TENSOR:  # lr and 1 - lr * weight_decay on the device: lr / bc1
-            step_size = tl.math.div_rn(tl.load(lr_ptr), bias_correction1)
-            decay = tl.load(decay_ptr)
-        else:  # a float lr: torch's float / tensor is reciprocal() * lr
-            step_size = lr * tl.math.div_rn(1.0, bias_correction1)
+        step, inv_bc2_sqrt, inv_bound, step_size, decay = _step_scalars(
+            row_ptrs, lr_ptr, decay_ptr, lr, decay, beta1, beta2, bound_ratio, bound_log2_ratio, bound_numer,
+            LR_IS_TENSOR, ON_GPU)
         if HAS_GRAD_SCALE:
             inv_grad_scale = 1.0 / tl.load(grad_scale_ptr)
         if STOCHASTIC:  # the tensor's key for this step: stochastic_round.sr_key, here to save ~25 tiny launches
@@ -203,18 +239,7 @@ if HAVE_TRITON:
             vm_ptr = m_ptr
             vms_ptr = ms_ptr
         for j in tl.range(0, LOOP):  # LOOP tiles of BLOCK_G groups per program
-            # a [BLOCK_G, G] tile: one quantization group per row; per-group values are [BLOCK_G, 1]
-            gid = first_group + j * BLOCK_G + tl.arange(0, BLOCK_G)[:, None]
-            gmask = gid < total_groups
-            lane = tl.arange(0, G)[None, :]
-            if EVEN_ROWS:  # rows are whole groups: the groups lie end to end
-                offs = gid * G + lane
-                mask = tl.broadcast_to(gmask, (BLOCK_G, G))  # whole groups: one mask bit per group
-            else:  # the last group of each row is short
-                row = gid // groups_per_row
-                col = (gid - row * groups_per_row) * G + lane
-                offs = row * n + col
-                mask = gmask & (col < n)
+            gid, gmask, offs, mask = _tile(first_group, j, n, groups_per_row, total_groups, BLOCK_G, G, EVEN_ROWS)
 
             p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -436,33 +461,23 @@ def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_de
     if salts is not None and plan.salts_key != salts:  # copied once per batch of parameters, not every step
         plan.salts = _to_device(torch.tensor(salts, dtype=torch.int32), dev)
         plan.salts_key = salts
-    if layout.quantized and layout.state_bits == 4:  # the 4-bit codec's kernel: the same tables and arguments
-        from .adamw_step4 import adamw4_kernel
-
-        adamw4_kernel[(plan.n_blocks,)](
-            plan.ptrs, plan.dims, plan.blocks, lr_t if lr_is_tensor else dummy, decay if lr_is_tensor else dummy,
+    args = (plan.ptrs, plan.dims, plan.blocks, lr_t if lr_is_tensor else dummy, decay if lr_is_tensor else dummy,
             grad_scale.to(dev, torch.float32) if grad_scale is not None else dummy,
             found_inf if found_inf is not None else dummy, plan.salts if salts is not None else dummy,
             0.0 if lr_is_tensor else float(lr), 0.0 if lr_is_tensor else float(decay),
-            beta1, 1 - beta1, beta2, 1 - beta2, eps, *adam_bound_args(beta1, beta2),
-            PARAM_DTYPE=_TL_DTYPES[dtype], G=layout.group_size, BLOCK_G=block_g, AMSGRAD=amsgrad, MAXIMIZE=maximize,
-            LR_IS_TENSOR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-            LOOP=loop, EVEN_ROWS=even, ON_GPU=not interpreted(), STOCHASTIC=stochastic, ALIGNED=plan.aligned,
-            num_warps=tune["num_warps"], enable_fp_fusion=True,
-        )
+            beta1, 1 - beta1, beta2, 1 - beta2, eps, *adam_bound_args(beta1, beta2))
+    # what both kernels take: the tile, the flags, and fused multiply-adds on (Triton 3.9 warns that its default
+    # will change): ~4% fewer instructions, within the ulp-level bound the GPU tests allow
+    common = dict(PARAM_DTYPE=_TL_DTYPES[dtype], G=layout.group_size, BLOCK_G=block_g, AMSGRAD=amsgrad,
+                  MAXIMIZE=maximize, LR_IS_TENSOR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None,
+                  HAS_FOUND_INF=found_inf is not None, LOOP=loop, EVEN_ROWS=even, ON_GPU=not interpreted(),
+                  ALIGNED=plan.aligned, num_warps=tune["num_warps"], enable_fp_fusion=True)
+    if layout.quantized and layout.state_bits == 4:  # the 4-bit codec's kernel: the same tables and arguments
+        from .adamw_step4 import adamw4_kernel
+
+        adamw4_kernel[(plan.n_blocks,)](*args, STOCHASTIC=stochastic, **common)
         return
     _adamw_kernel[(plan.n_blocks,)](
-        plan.ptrs, plan.dims, plan.blocks, lr_t if lr_is_tensor else dummy, decay if lr_is_tensor else dummy,
-        grad_scale.to(dev, torch.float32) if grad_scale is not None else dummy,
-        found_inf if found_inf is not None else dummy, plan.salts if salts is not None else dummy,
-        0.0 if lr_is_tensor else float(lr), 0.0 if lr_is_tensor else float(decay),
-        beta1, 1 - beta1, beta2, 1 - beta2, eps, *adam_bound_args(beta1, beta2),
-        PARAM_DTYPE=_TL_DTYPES[dtype], G=layout.group_size, BLOCK_G=block_g,
-        **_format_args(layout.exp_avg_format, "M"), **_format_args(layout.exp_avg_sq_format, "V"),
-        QUANT=layout.quantized, EXPANSION=layout.expansion, SQRT_V=layout.sqrt_v, AMSGRAD=amsgrad, MAXIMIZE=maximize,
-        LR_IS_TENSOR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-        LOOP=loop, EVEN_ROWS=even, ON_GPU=not interpreted(), STOCHASTIC=salts is not None, ALIGNED=plan.aligned,
-        # fused multiply-adds on (Triton 3.9 warns that its default will change): ~4% fewer instructions, within
-        # the ulp-level bound the GPU tests allow
-        num_warps=tune["num_warps"], enable_fp_fusion=True,
-    )
+        *args, **_format_args(layout.exp_avg_format, "M"), **_format_args(layout.exp_avg_sq_format, "V"),
+        QUANT=layout.quantized, EXPANSION=layout.expansion, SQRT_V=layout.sqrt_v, STOCHASTIC=salts is not None,
+        **common)

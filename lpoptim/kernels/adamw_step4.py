@@ -17,8 +17,8 @@ import triton.language as tl
 
 from ..optim.stochastic_round import V_NOISE_SALT
 from ..quant import FP32_MIN_NORMAL, M4_INV, M4_NAN, M4_TOP, V4_TOP
-from .adamw_step import N_PTRS, STEP_COLUMN, _address, _pow
-from .grid import fast_exp2, fast_rcp, finite_abs, hash32, round_bf16_stochastic, round_half_even, store_as
+from .adamw_step import _address, _program_tensor, _step_scalars, _tile
+from .grid import fast_rcp, finite_abs, hash32, round_bf16_stochastic, round_half_even, store_as
 
 M4_TOP_C = tl.constexpr(M4_TOP)
 V4_TOP_C = tl.constexpr(V4_TOP)
@@ -26,8 +26,6 @@ M4_NAN_C = tl.constexpr(M4_NAN)
 MIN_NORMAL_C = tl.constexpr(FP32_MIN_NORMAL)
 V_NOISE_SALT_C = tl.constexpr(V_NOISE_SALT)
 M4_INV_C = tl.constexpr(M4_INV)
-N_PTRS_C = tl.constexpr(N_PTRS)
-STEP_COLUMN_C = tl.constexpr(STEP_COLUMN)
 
 
 @triton.jit
@@ -101,33 +99,14 @@ def adamw4_kernel(
     if HAS_FOUND_INF:
         if tl.load(found_inf_ptr) != 0:
             return
-    tensor = tl.load(blocks + 2 * pid)
-    first_group = tl.load(blocks + 2 * pid + 1)
-    n = tl.load(dims + 3 * tensor)  # row length
-    groups_per_row = tl.load(dims + 3 * tensor + 1)
-    total_groups = tl.load(dims + 3 * tensor + 2)
+    (tensor, first_group, n, groups_per_row, total_groups, row_ptrs, p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr,
+     vs_ptr) = _program_tensor(pid, ptrs, dims, blocks, PARAM_DTYPE, ALIGNED)
     n_bytes = (n + 1) // 2  # a row's packed codes
-    row_ptrs = ptrs + N_PTRS_C * tensor
-    p_ptr = _address(row_ptrs, 0, PARAM_DTYPE, ALIGNED)
-    g_ptr = _address(row_ptrs, 1, PARAM_DTYPE, ALIGNED)
-    m_ptr = _address(row_ptrs, 2, tl.uint8, ALIGNED)
-    ms_ptr = _address(row_ptrs, 3, tl.float32, ALIGNED)
-    v_ptr = _address(row_ptrs, 4, tl.uint8, ALIGNED)
-    vs_ptr = _address(row_ptrs, 5, tl.float32, ALIGNED)
 
-    # adamw_step._adamw_kernel's step-count arithmetic, unchanged
-    step = tl.load(_address(row_ptrs, STEP_COLUMN_C, tl.float32, False))
-    bias_correction1 = 1.0 - _pow(beta1, step, ON_GPU)
-    inv_bc2_sqrt = tl.rsqrt(1.0 - _pow(beta2, step, ON_GPU))
-    steps_before = step - 1.0
-    bound_denom = tl.where(bound_ratio == 1.0, steps_before, 1.0 - fast_exp2(steps_before * bound_log2_ratio, ON_GPU))
-    inv_bound = bound_numer * fast_rcp(bound_denom, ON_GPU)
-    inv_bound = tl.where((inv_bound > 0) & (inv_bound < float("inf")), inv_bound, 0.0)
-    if LR_IS_TENSOR:
-        step_size = tl.math.div_rn(tl.load(lr_ptr), bias_correction1)
-        decay = tl.load(decay_ptr)
-    else:
-        step_size = lr * tl.math.div_rn(1.0, bias_correction1)
+    # adamw_step._adamw_kernel's step-count arithmetic
+    step, inv_bc2_sqrt, inv_bound, step_size, decay = _step_scalars(
+        row_ptrs, lr_ptr, decay_ptr, lr, decay, beta1, beta2, bound_ratio, bound_log2_ratio, bound_numer,
+        LR_IS_TENSOR, ON_GPU)
     if HAS_GRAD_SCALE:
         inv_grad_scale = 1.0 / tl.load(grad_scale_ptr)
     # the tensor's key for this step (stochastic_round.sr_key): the bf16 rounding's (STOCHASTIC), and v's
@@ -143,20 +122,13 @@ def adamw4_kernel(
         vm_ptr = m_ptr
         vms_ptr = ms_ptr
     for j in tl.range(0, LOOP):
-        gid = first_group + j * BLOCK_G + tl.arange(0, BLOCK_G)[:, None]
-        gmask = gid < total_groups
-        lane = tl.arange(0, G)[None, :]
-        blane = tl.arange(0, G // 2)[None, :]
+        gid, gmask, offs, mask = _tile(first_group, j, n, groups_per_row, total_groups, BLOCK_G, G, EVEN_ROWS)
+        blane = tl.arange(0, G // 2)[None, :]  # the tile's packed codes: [BLOCK_G, G/2] bytes
         if EVEN_ROWS:
-            offs = gid * G + lane
-            mask = tl.broadcast_to(gmask, (BLOCK_G, G))
             boffs = gid * (G // 2) + blane
             bmask = tl.broadcast_to(gmask, (BLOCK_G, G // 2))
         else:
             row = gid // groups_per_row
-            col = (gid - row * groups_per_row) * G + lane
-            offs = row * n + col
-            mask = gmask & (col < n)
             bcol = (gid - row * groups_per_row) * (G // 2) + blane
             boffs = row * n_bytes + bcol
             bmask = gmask & (bcol < n_bytes)
