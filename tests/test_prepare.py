@@ -284,6 +284,19 @@ def test_chunked_loss_in_several_chunks():
     _assert_same_grads(ref, got)
 
 
+def test_chunked_loss_keeps_tuple_outputs():
+    """return_dict=False asks HF for a tuple: the model's own forward runs, so the call works and gives HF's
+    (loss, logits) (the chunked path sets attributes on an output object: AttributeError on a tuple)."""
+    from lpoptim.nn.causal_lm_loss import chunk_causal_lm_loss
+
+    model = _hf("llama")
+    chunked = chunk_causal_lm_loss(copy.deepcopy(model))
+    batch = _batch("llama", 16)
+    ref = model(**batch, return_dict=False)
+    got = chunked(**batch, return_dict=False)
+    assert isinstance(got, tuple) and torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
 # ---- 3. step_in_backward through prepare ---------------------------------------------------------------------
 
 def _tiny_llama(**overrides):

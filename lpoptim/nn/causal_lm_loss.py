@@ -10,7 +10,8 @@ position only), takes the decoder's last hidden state from a forward hook, and c
 ``shift_labels`` as given), ``ignore_index`` (-100), the mean over counted targets or the sum over
 ``num_items_in_batch`` (what the Trainer passes under gradient accumulation); an MoE model's router loss is added
 as its own forward adds it. The output's ``logits`` are None in that case (they were never made); evaluation,
-``no_grad`` and calls without labels run the model's own forward unchanged.
+``no_grad``, calls without labels and calls for a tuple (``return_dict=False``, or ``config.return_dict`` off)
+run the model's own forward unchanged.
 
 Models whose logits are more than the head's GEMM (Gemma 2's final soft-capping, Cohere's logit scale, Granite's
 logit scaling), heads with a bias and forwards without ``logits_to_keep`` are refused by ``why_not``: their loss
@@ -79,7 +80,10 @@ class _ChunkedLossForward:
     def __call__(self, *args, labels=None, **kwargs):
         model = self.model
         keep = kwargs.get("logits_to_keep")
-        if (labels is None or not model.training or not torch.is_grad_enabled()
+        return_dict = kwargs.get("return_dict")
+        if return_dict is None:  # as HF's can_return_tuple decides it: the config's, unless passed
+            return_dict = getattr(getattr(model, "config", None), "return_dict", True)
+        if (labels is None or not model.training or not torch.is_grad_enabled() or not return_dict
                 or not (keep is None or (isinstance(keep, int) and keep == 0))):
             return self.original(*args, labels=labels, **kwargs)
         captured = []
