@@ -209,7 +209,8 @@ def build_hf(stack: Stack, hf_config, device: str, compile_blocks: bool, tokens:
             options = dict(linears=stack.linears, compile=compile_blocks, step_in_backward=stack.in_backward,
                            chunked_loss=stack.chunked_loss,
                            activations="recompute" if stack.recompute else "fp8" if stack.compress else
-                           stack.activation_budget)
+                           # +sac100 keeps every activation: Inductor's default, no budget for prepare (in (0, 1))
+                           stack.activation_budget if stack.activation_budget != 1 else None)
         chosen = plan(model, **options, state_bits=stack.state_bits)
         info["plan"] = chosen.summary()
         info["estimated_peak_bytes"] = estimate_peak_bytes(model, model.get_submodule(chosen.blocks), chosen, tokens)

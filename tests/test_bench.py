@@ -167,6 +167,22 @@ def test_hf_only_parts_are_skipped_on_lpoptims_own_model():
     assert bench.unavailable(parse_stack("torch+ckpt"), "cpu", hf=True) is None
 
 
+def test_hf_sac100_builds_through_prepare():
+    """+sac100 (Inductor keeps every activation, its default) is a valid part; with --hf-config the lpoptim stack
+    goes through prepare, whose budgets are in (0, 1): it gets no budget instead of failing with ValueError."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    from lpoptim import bench
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=2, vocab_size=128)
+    model, opt, _, info = bench.build_hf(parse_stack("lpoptim+bf16+sac100"), cfg, "cpu", True, tokens=64)
+    assert opt.plan.activations is None and opt.plan.compile
+    model, opt, _, info = bench.build_hf(parse_stack("lpoptim+bf16+sac50"), cfg, "cpu", True, tokens=64)
+    assert opt.plan.activations == 0.5
+
+
 def test_bundled_hf_configs_load():
     import pytest
 
