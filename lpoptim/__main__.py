@@ -222,6 +222,8 @@ def cmd_bench(ap: Parser, args, argv) -> int:
     hf_config = None
     if args.budget_gib is not None and args.hf_config is None:
         ap.error("argument --budget-gib: it is prepare's budget, for --hf-config")
+    if args.budget_gib is not None and args.recipes and not any(r.optimizer == "prepare" for r in args.recipes):
+        ap.error("argument --budget-gib: it is the prepare recipe's budget; no prepare recipe in --recipes")
     if args.hf_config is not None:
         try:
             import transformers  # noqa: F401

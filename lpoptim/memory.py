@@ -10,8 +10,8 @@ with FP8 activations eager, x 0.5 with FP8 activations and FP8 linears eager; co
 activations, x 0.75 with FP8 linears, x 0.55 with both; with recompute, one FP8 block input per block and one
 block's activations while it is replayed. The LM head and loss: about 10 bytes per logit (the logits, their fp32
 copy and softmax's gradient), or with the chunked loss the hidden states' gradient and the head's weight
-gradient. Then 1.2% for the allocator. On HF Llama shapes of 7B, 13B and 26B (1 x 2048 and 4 x 2048, fifteen
-stacks, FP8 and 4-bit states) the estimate came within 0.6 GiB of the measured peak, never more than 0.14 GiB below
+gradient. Then 1.2% for the allocator. On HF Llama shapes of 7B, 13B and 26B (1 x 2048 and 4 x 2048, eighteen
+stacks, FP8 and 4-bit states) the estimate came within 0.6 GiB of the measured peak, never more than 0.3 GiB below
 it; on other shapes, treat it as an estimate: ``lpoptim bench --hf-config`` measures the real peak.
 """
 from __future__ import annotations

@@ -20,7 +20,7 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
   kept, in FP8; blocks recomputed in backward), a number in (0, 1) (compiled blocks only: Inductor keeps that
   fraction of what the block would save and recomputes the rest, ``activation_memory_budget``, set for these
   blocks alone) or None. Auto: None unless the memory budget needs it; then, compiled, budgets of 0.7, 0.5 and 0.3
-  before recompute (on HF Llama-2-7B at 1 x 2048, one H100, a budget of 0.6 gave 29.9 GiB at 11.6 k tokens/s
+  before recompute (on HF Llama-2-7B at 1 x 2048, one H100, a budget of 0.5 gave 29.4 GiB at 11.4 k tokens/s
   where FP8 activations gave 30.8 GiB at 10.2-11.5 k); eager, FP8 activations before recompute.
 - ``compile``: each block compiled in place (``block.compile()``: parameter names and state_dict unchanged).
   Auto: on CUDA.
@@ -236,7 +236,10 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     if linears and not any(type(m) is nn.Linear for m in stack.modules()):  # GPT-2's Conv1D, say
         linears, linear_choices = None, [None]
         reasons["linears"] = "the blocks hold no nn.Linear"
-    if step_in_backward == AUTO:
+    if step_in_backward == AUTO and any(p.dtype == torch.float16 for p in params):
+        # fp16 trains with GradScaler, which unscales and checks every gradient before the step
+        step_in_backward, reasons["step_in_backward"] = False, "fp16 parameters: GradScaler needs all gradients"
+    elif step_in_backward == AUTO:
         step_in_backward = True
         reasons["step_in_backward"] = "no whole set of gradients; pass False for clipping or accumulation"
     if chunked_loss == AUTO:
@@ -294,6 +297,7 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
                   tokens=tokens, state_bits=optimizer_kwargs.get("state_bits", 8))
     if result.bf16_stochastic_round:
         optimizer_kwargs.setdefault("bf16_stochastic_round", True)
+        result.bf16_stochastic_round = bool(optimizer_kwargs["bf16_stochastic_round"])  # the caller's word wins
     params = [p for p in model.parameters() if p.requires_grad]
     opt = AdamW(params, lr=lr, **optimizer_kwargs)  # its argument errors before the model changes
     stack = model.get_submodule(result.blocks)

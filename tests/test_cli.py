@@ -35,6 +35,7 @@ BAD_ARGS = [
     ["bench", "--recipes", "lpoptim+act+ckpt"],  # HF checkpointing and FP8 activations exclude each other
     ["bench", "--recipes", "torch+s4"],  # 4-bit states are lpoptim's
     ["bench", "--budget-gib", "30"],  # prepare's budget: with --hf-config only
+    ["bench", "--hf-config", "llama2-7b", "--budget-gib", "30", "--recipes", "torch+bf16"],  # and a prepare recipe
 ]
 
 

@@ -715,3 +715,14 @@ def test_activation_budget_is_set_for_the_compiled_blocks_alone(monkeypatch):
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5)
     torch._dynamo.reset()
+
+
+def test_fp16_parameters_keep_the_usual_step_and_the_callers_rounding_word_is_reported():
+    """fp16 trains with GradScaler (all gradients unscaled and checked before the step): prepare does not fuse
+    the step for fp16 parameters. A bf16 model's plan reports the rounding the optimizer really got."""
+    model = _tiny_llama().half()
+    assert not plan(model, compile=False).step_in_backward
+    assert "GradScaler" in plan(model, compile=False).reasons["step_in_backward"]
+    bf16 = _tiny_llama().to(torch.bfloat16)
+    opt = prepare(bf16, lr=1e-3, compile=False, bf16_stochastic_round=False)
+    assert opt.plan.bf16_stochastic_round is False and "bf16_stochastic_round  no" in opt.plan.summary()
