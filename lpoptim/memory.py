@@ -56,7 +56,7 @@ def estimate_peak_bytes(model: nn.Module, blocks: nn.ModuleList, plan, tokens: i
     """Estimated peak bytes of one training step of ``model`` under ``plan`` (a planner.Plan) at ``tokens`` tokens."""
     params = [p for p in model.parameters() if p.requires_grad]
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    states = sum(state_bytes(p, state_bits=getattr(plan, "state_bits", 8)) for p in params)
+    states = sum(state_bytes(p, plan.min_quant_numel, plan.group_size, plan.state_bits) for p in params)
     grads = [p.numel() * p.element_size() for p in params]
     elem = min(p.element_size() for p in blocks.parameters())
     per_block_token = ALPHA[plan.compile] * linear_input_features(blocks[0]) * elem
@@ -65,7 +65,9 @@ def estimate_peak_bytes(model: nn.Module, blocks: nn.ModuleList, plan, tokens: i
     width = getattr(getattr(model, "config", None), "hidden_size", None)
     if not isinstance(width, int):
         width = min((m.in_features for m in blocks[0].modules() if isinstance(m, nn.Linear)), default=0)
-    if plan.activations == "recompute":  # the FP8 inputs, and one block's activations as the replay saves them
+    if plan.hf_checkpointing:  # the model's own recompute: each block's input in its dtype, one block replayed
+        activations = tokens * (len(blocks) * width * elem + per_block_token)
+    elif plan.activations == "recompute":  # the FP8 inputs, and one block's activations as the replay saves them
         replayed = per_block_token * FACTOR[plan.compile, bool(plan.linears), False]
         activations = tokens * (len(blocks) * width + replayed)
     else:

@@ -73,6 +73,9 @@ class Plan:
     bf16_stochastic_round: bool
     use_cache_off: bool
     state_bits: int = 8  # the optimizer's (an optimizer argument; the estimate counts its states)
+    min_quant_numel: int = 4096  # the optimizer's too
+    group_size: int = 128
+    hf_checkpointing: bool = False  # the model's own gradient checkpointing is on (the estimate counts it)
     reasons: dict = field(default_factory=dict)  # part -> why it is what it is
     estimate_gib: dict | None = None  # the budget's estimates, candidate name -> GiB (None: no budget given)
     handles: list = field(default_factory=list, repr=False)
@@ -190,7 +193,7 @@ def _check_choice(name: str, value, allowed) -> None:
 
 def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compile=AUTO, step_in_backward=AUTO,
          chunked_loss=AUTO, max_memory_gib: float | None = None, tokens: int | None = None,
-         state_bits: int = 8) -> Plan:
+         state_bits: int = 8, min_quant_numel: int = 4096, group_size: int = 128) -> Plan:
     """What ``prepare`` would do to ``model`` with these options, and why; changes nothing."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"lpoptim.prepare takes an nn.Module, got {type(model).__name__}")
@@ -265,7 +268,9 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     bf16 = any(p.dtype == torch.bfloat16 for p in params)
     result = Plan(blocks=name, n_blocks=len(stack), linears=linears, activations=activation_choices[0],
                   compile=bool(compile), step_in_backward=bool(step_in_backward), chunked_loss=bool(chunked_loss),
-                  bf16_stochastic_round=bf16, use_cache_off=use_cache_off, state_bits=state_bits, reasons=reasons,
+                  bf16_stochastic_round=bf16, use_cache_off=use_cache_off, state_bits=state_bits,
+                  min_quant_numel=min_quant_numel, group_size=group_size, hf_checkpointing=_hf_checkpointing(model),
+                  reasons=reasons,
                   model=model)
     if bf16:
         reasons["bf16_stochastic_round"] = "bf16 parameters: no fp32 master copy"
@@ -294,7 +299,9 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
     Every argument is checked, and the plan made, before the model is touched."""
     result = plan(model, blocks=blocks, linears=linears, activations=activations, compile=compile,
                   step_in_backward=step_in_backward, chunked_loss=chunked_loss, max_memory_gib=max_memory_gib,
-                  tokens=tokens, state_bits=optimizer_kwargs.get("state_bits", 8))
+                  tokens=tokens, state_bits=optimizer_kwargs.get("state_bits", 8),
+                  min_quant_numel=optimizer_kwargs.get("min_quant_numel", 4096),
+                  group_size=optimizer_kwargs.get("group_size", 128))
     if result.bf16_stochastic_round:
         optimizer_kwargs.setdefault("bf16_stochastic_round", True)
         result.bf16_stochastic_round = bool(optimizer_kwargs["bf16_stochastic_round"])  # the caller's word wins

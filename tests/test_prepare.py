@@ -726,3 +726,33 @@ def test_fp16_parameters_keep_the_usual_step_and_the_callers_rounding_word_is_re
     bf16 = _tiny_llama().to(torch.bfloat16)
     opt = prepare(bf16, lr=1e-3, compile=False, bf16_stochastic_round=False)
     assert opt.plan.bf16_stochastic_round is False and "bf16_stochastic_round  no" in opt.plan.summary()
+
+
+def test_estimate_counts_the_optimizers_layout_and_hf_checkpointing():
+    """The estimate follows the optimizer's min_quant_numel and group_size (exactly: against lpoptim.state_bytes
+    after a step), and counts HF gradient checkpointing's recompute (each block's input kept, one block replayed)
+    instead of every block's activations."""
+    from lpoptim.memory import ALLOCATOR_OVERHEAD
+
+    model = _tiny_llama(intermediate_size=160)
+    opt = prepare(model, lr=1e-3, compile=False, step_in_backward=False, min_quant_numel=1024, group_size=32)
+    ids = torch.randint(0, 128, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    params = [p for p in model.parameters() if p.requires_grad]
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    exact = lpoptim.state_bytes(opt)["total_bytes"]
+    assert (opt.plan.min_quant_numel, opt.plan.group_size) == (1024, 32)
+    assert estimate_peak_bytes(model, model.model.layers, opt.plan, 0) == pytest.approx(
+        (2 * nbytes + exact) * ALLOCATOR_OVERHEAD, rel=1e-12)
+
+    deep = _tiny_llama(num_hidden_layers=8)
+    tokens = 1 << 20
+    plain = plan(deep, compile=False, activations=None)
+    deep.gradient_checkpointing_enable()
+    ckpt = plan(deep, compile=False)
+    assert ckpt.hf_checkpointing and not plain.hf_checkpointing and ckpt.activations is None
+    static = estimate_peak_bytes(deep, deep.model.layers, ckpt, 0)
+    with_ckpt = estimate_peak_bytes(deep, deep.model.layers, ckpt, tokens)
+    without = estimate_peak_bytes(deep, deep.model.layers, plain, tokens)
+    assert static < with_ckpt < 0.5 * without
