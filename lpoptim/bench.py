@@ -381,6 +381,15 @@ def free_memory(compiled: bool = False):
         torch.cuda.empty_cache()
 
 
+def set_depth(cfg, n_layer: int) -> None:
+    """A transformers config with ``n_layer`` layers; a per-layer list (``layer_types``: sliding or full attention)
+    is cut, or continued with its own pattern, to that length."""
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        cfg.layer_types = [types[i % len(types)] for i in range(n_layer)]
+    cfg.num_hidden_layers = n_layer
+
+
 def hf_summary(cfg) -> dict:
     """The fields of a transformers config that the table's title shows."""
     get = lambda *names: next((getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), None)  # noqa: E731
@@ -401,7 +410,7 @@ def run(preset: str, recipes: list[str], batch: int, seq: int, steps: int, warmu
     if hf_config is not None:
         cfg = hf_config
         if n_layer is not None:
-            cfg.num_hidden_layers = n_layer
+            set_depth(cfg, n_layer)
     else:
         cfg = PRESETS[preset] if n_layer is None else replace(PRESETS[preset], n_layer=n_layer)
     if memory_cap_gib is not None:

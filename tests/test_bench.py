@@ -199,3 +199,21 @@ def test_four_bit_states_part():
         stack = parse_stack(name)
         assert stack.state_bits == 4 and parse_stack(stack.name) == stack and "4-bit states" in stack.label
     assert parse_stack("lpoptim").state_bits == 8
+
+
+def test_hf_depth_override_keeps_per_layer_lists_consistent():
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    from lpoptim.bench import set_depth
+
+    cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                   num_hidden_layers=2, vocab_size=128, head_dim=16)
+    assert len(cfg.layer_types) == 2
+    for depth in (1, 5):
+        set_depth(cfg, depth)
+        assert cfg.num_hidden_layers == depth and len(cfg.layer_types) == depth
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        assert len(model.model.layers) == depth
+        ids = torch.randint(0, 128, (1, 8))
+        assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
