@@ -222,6 +222,9 @@ def cmd_bench(ap: Parser, args, argv) -> int:
     hf_config = None
     if args.budget_gib is not None and args.hf_config is None:
         ap.error("argument --budget-gib: it is prepare's budget, for --hf-config")
+    hf_only = [r.name for r in args.recipes or [] if r.optimizer == "prepare" or r.hf_checkpointing]
+    if hf_only and args.hf_config is None:
+        ap.error(f"argument --recipes: {', '.join(hf_only)} run on a Hugging Face model: they need --hf-config")
     if args.budget_gib is not None and args.recipes and not any(r.optimizer == "prepare" for r in args.recipes):
         ap.error("argument --budget-gib: it is the prepare recipe's budget; no prepare recipe in --recipes")
     if args.hf_config is not None:

@@ -34,6 +34,8 @@ BAD_ARGS = [
     ["bench", "--recipes", "prepare+act"],  # prepare makes its own choices
     ["bench", "--recipes", "lpoptim+act+ckpt"],  # HF checkpointing and FP8 activations exclude each other
     ["bench", "--recipes", "torch+s4"],  # 4-bit states are lpoptim's
+    ["bench", "--recipes", "prepare"],  # prepare and +ckpt run on an HF model: --hf-config
+    ["bench", "--recipes", "torch+ckpt"],
     ["bench", "--budget-gib", "30"],  # prepare's budget: with --hf-config only
     ["bench", "--hf-config", "llama2-7b", "--budget-gib", "30", "--recipes", "torch+bf16"],  # and a prepare recipe
 ]
