@@ -14,6 +14,8 @@ from lpoptim.optim.reference import load_moment, reference_adamw_step
 from lpoptim.optim.state import StateLayout, init_state
 from lpoptim.quant import to_groups
 
+from kernel_steps import kernel_and_reference
+
 SHAPES = [(48, 256), (5, 200), (1000,), (3, 7, 130), (16, 128)]
 
 
@@ -24,23 +26,8 @@ def _tiles(interpreter_friendly_tiles):  # conftest.py
 
 def _run(device, dtype, steps=3, amsgrad=False, maximize=False, lr=1e-2, layout=None, grad_scale=None, found_inf=None):
     layout = layout or StateLayout(quantized=True)
-    gen = torch.Generator().manual_seed(0)
-    params = [torch.randn(s, generator=gen).to(device, dtype) for s in SHAPES]
-    ref_p = [p.clone() for p in params]
-    states = [init_state(p, layout, amsgrad) for p in params]
-    ref_s = [init_state(p, layout, amsgrad) for p in params]
-    hyper = dict(lr=lr, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, amsgrad=amsgrad, maximize=maximize)
-    for _ in range(steps):
-        grads = []
-        for p in params:
-            g = torch.randn(p.shape, generator=gen) * 10.0 ** float(torch.randint(-5, 1, (), generator=gen))
-            g.view(-1)[:3] = 0.0  # zeros inside a group must not collapse its range
-            grads.append(g.to(device, dtype))
-        kernel.fused_adamw_step([(p, g, s, layout) for p, g, s in zip(params, grads, states)],
-                                grad_scale=grad_scale, found_inf=found_inf, **hyper)
-        for p, g, s in zip(ref_p, grads, ref_s):
-            reference_adamw_step(p, g, s, layout, grad_scale=grad_scale, found_inf=found_inf, **hyper)
-    return params, ref_p, states, ref_s, layout
+    return (*kernel_and_reference(device, dtype, layout, SHAPES, steps, amsgrad, maximize, lr, grad_scale, found_inf),
+            layout)
 
 
 def _compare(params, ref_p, states, ref_s, layout, code_tol=0.002, scale_tol=0.02):

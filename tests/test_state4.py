@@ -10,8 +10,10 @@ import torch
 import lpoptim
 from lpoptim import quant
 from lpoptim.kernels import adamw_step as kernel
-from lpoptim.optim.reference import load_moment, reference_adamw_step
+from lpoptim.optim.reference import load_moment
 from lpoptim.optim.state import StateLayout, init_state
+
+from kernel_steps import kernel_and_reference
 
 LAYOUT4 = StateLayout(quantized=True, state_bits=4)
 SHAPES = [(48, 256), (5, 200), (1001,), (3, 7, 130), (16, 128), (6, 33)]
@@ -279,26 +281,9 @@ def _tiles(interpreter_friendly_tiles):  # conftest.py
 
 def _run(device, dtype, steps=3, amsgrad=False, maximize=False, lr=1e-2, layout=LAYOUT4, grad_scale=None,
          found_inf=None, sr_salts=None, shapes=SHAPES):
-    gen = torch.Generator().manual_seed(0)
-    params = [torch.randn(s, generator=gen).to(device, dtype) for s in shapes]
-    ref_p = [p.clone() for p in params]
-    states = [init_state(p, layout, amsgrad) for p in params]
-    ref_s = [init_state(p, layout, amsgrad) for p in params]
-    hyper = dict(lr=lr, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, amsgrad=amsgrad, maximize=maximize)
     state_salts = sr_salts or [7 + i for i in range(len(shapes))]  # v's stochastic rounding, salted per tensor
-    for _ in range(steps):
-        grads = []
-        for p in params:
-            g = torch.randn(p.shape, generator=gen) * 10.0 ** float(torch.randint(-5, 1, (), generator=gen))
-            g.view(-1)[:3] = 0.0
-            grads.append(g.to(device, dtype))
-        kernel.fused_adamw_step([(p, g, s, layout) for p, g, s in zip(params, grads, states)],
-                                grad_scale=grad_scale, found_inf=found_inf, sr_salts=sr_salts,
-                                state_salts=state_salts, **hyper)
-        for i, (p, g, s) in enumerate(zip(ref_p, grads, ref_s)):
-            reference_adamw_step(p, g, s, layout, grad_scale=grad_scale, found_inf=found_inf,
-                                 sr_salt=None if sr_salts is None else sr_salts[i], state_salt=state_salts[i], **hyper)
-    return params, ref_p, states, ref_s
+    return kernel_and_reference(device, dtype, layout, shapes, steps, amsgrad, maximize, lr, grad_scale, found_inf,
+                                sr_salts, state_salts)
 
 
 def _compare(params, ref_p, states, ref_s, code_tol=0.0, exact=True):
