@@ -106,6 +106,26 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
     return total
 
 
+def torchao_float8(model) -> None:
+    """torchao's float8 training on every linear layer but the LM head."""
+    from torchao.float8 import convert_to_float8_training
+
+    convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: "lm_head" not in fqn)
+
+
+def competitor_optimizer(name: str, params, lr: float, betas, weight_decay: float):
+    """bitsandbytes AdamW8bit ("bnb") or torchao AdamWFp8 ("torchao") over ``params`` (tensors or groups)."""
+    if name == "bnb":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    if name == "torchao":
+        from torchao.optim import AdamWFp8
+
+        return AdamWFp8(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
 def build(stack: Stack, cfg: LlamaConfig, device: str, compile_blocks: bool):
     """The model and optimizer of one stack, on ``device``."""
     torch.manual_seed(0)
@@ -115,9 +135,7 @@ def build(stack: Stack, cfg: LlamaConfig, device: str, compile_blocks: bool):
         model.to(torch.bfloat16)
     model.chunked_loss = stack.chunked_loss
     if stack.linears == "torchao":
-        from torchao.float8 import convert_to_float8_training
-
-        convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn != "lm_head")
+        torchao_float8(model)
     elif stack.linears:
         from .nn import convert_linears
 
@@ -137,16 +155,8 @@ def build(stack: Stack, cfg: LlamaConfig, device: str, compile_blocks: bool):
             options["state_bits"] = 4
         opt = build_optimizer(RunConfig(optimizer=stack.optimizer, lr=lr, betas=betas, weight_decay=0.1, master=stack.master,
                                         optimizer_options=options), model)
-    elif stack.optimizer == "bnb":
-        import bitsandbytes as bnb
-
-        opt = bnb.optim.AdamW8bit(groups, lr=lr, betas=betas)
-    elif stack.optimizer == "torchao":
-        from torchao.optim import AdamWFp8
-
-        opt = AdamWFp8(groups, lr=lr, betas=betas)
     else:
-        raise ValueError(f"unknown optimizer {stack.optimizer!r}")
+        opt = competitor_optimizer(stack.optimizer, groups, lr, betas, weight_decay=0.1)
     if stack.in_backward:  # opt.step() then finds no gradients and does nothing
         from .optim import step_in_backward
 
@@ -191,7 +201,7 @@ def build_hf(stack: Stack, hf_config, device: str, compile_blocks: bool, tokens:
     would run them (the decoder layers compiled in place, torch AdamW fused)."""
     from transformers import AutoModelForCausalLM
 
-    from .planner import find_blocks, plan, prepare
+    from .planner import find_blocks, prepare
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if stack.master == "bf16" else torch.float32
@@ -211,16 +221,14 @@ def build_hf(stack: Stack, hf_config, device: str, compile_blocks: bool, tokens:
                            activations="recompute" if stack.recompute else "fp8" if stack.compress else
                            # +sac100 keeps every activation: Inductor's default, no budget for prepare (in (0, 1))
                            stack.activation_budget if stack.activation_budget != 1 else None)
-        chosen = plan(model, **options, state_bits=stack.state_bits)
+        opt = prepare(model, lr, betas=betas, weight_decay=0.1, state_bits=stack.state_bits, **options)
+        chosen = opt.plan
         info["plan"] = chosen.summary()
         info["estimated_peak_bytes"] = estimate_peak_bytes(model, model.get_submodule(chosen.blocks), chosen, tokens)
         info["budget_gib"] = options.get("max_memory_gib")
-        opt = prepare(model, lr, betas=betas, weight_decay=0.1, state_bits=stack.state_bits, **options)
         return model, opt, None, info
     if stack.linears == "torchao":
-        from torchao.float8 import convert_to_float8_training
-
-        convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: "lm_head" not in fqn)
+        torchao_float8(model)
     elif stack.linears:
         from .nn import convert_linears
 
@@ -232,14 +240,8 @@ def build_hf(stack: Stack, hf_config, device: str, compile_blocks: bool, tokens:
     params = [p for p in model.parameters() if p.requires_grad]
     if stack.optimizer == "torch":
         opt = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=0.1, fused=device == "cuda")
-    elif stack.optimizer == "bnb":
-        import bitsandbytes as bnb
-
-        opt = bnb.optim.AdamW8bit(params, lr=lr, betas=betas, weight_decay=0.1)
     else:
-        from torchao.optim import AdamWFp8
-
-        opt = AdamWFp8(params, lr=lr, betas=betas, weight_decay=0.1)
+        opt = competitor_optimizer(stack.optimizer, params, lr, betas, weight_decay=0.1)
     return model, opt, None, info
 
 
