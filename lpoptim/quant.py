@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import E4M3, FloatFormat, IntFormat, get_format, round_to_grid
+from .formats import (E4M3, FloatFormat, IntFormat, get_format, int4_to_nibble, nibble_to_int4, pack_nibbles,
+                      round_to_grid, unpack_nibbles)
 
 # ---- shapes ------------------------------------------------------------------------------------------------
 
@@ -378,18 +379,18 @@ def packed_shape(shape) -> tuple[int, ...]:
     return (*shape[:-1], (shape[-1] + 1) // 2) if shape else (1,)
 
 
-def pack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
-    """Integers 0..15 of shape (..., N) -> uint8 (..., ceil(N/2)): element 2i in the low nibble, 2i+1 in the high."""
+def pack_codes4(nibbles: torch.Tensor) -> torch.Tensor:
+    """Integers 0..15 of shape (..., N) -> uint8 (..., ceil(N/2)): formats.pack_nibbles (element 2i in the low
+    nibble, 2i+1 in the high) with an odd last dimension padded by one zero nibble (a 0-dim tensor: one byte)."""
     x = nibbles.to(torch.uint8).reshape(packed_shape(nibbles.shape)[:-1] + (nibbles.shape[-1] if nibbles.dim() else 1,))
     if x.shape[-1] % 2:
         x = torch.nn.functional.pad(x, (0, 1))
-    return x[..., 0::2] | (x[..., 1::2] << 4)
+    return pack_nibbles(x)
 
 
-def unpack_nibbles(packed: torch.Tensor, shape) -> torch.Tensor:
-    """Inverse of pack_nibbles: uint8 (..., ceil(N/2)) -> int32 nibbles of ``shape``."""
-    p = packed.to(torch.int32)
-    x = torch.stack((p & 15, p >> 4), dim=-1).reshape(*p.shape[:-1], 2 * p.shape[-1])
+def unpack_codes4(packed: torch.Tensor, shape) -> torch.Tensor:
+    """Inverse of pack_codes4: uint8 (..., ceil(N/2)) -> int32 nibbles of ``shape``."""
+    x = unpack_nibbles(packed).to(torch.int32)
     return x[..., :rows_of(shape)[1]].reshape(shape)
 
 
@@ -417,7 +418,7 @@ def encode4_groups(g: torch.Tensor, second: bool, noise: torch.Tensor | None = N
         j = torch.where(torch.isnan(g), V4_TOP, q.clamp(1.0, V4_TOP))
         return j.to(torch.int32) - 1, scale
     q = q.clamp(0.0, M4_TOP).to(torch.int32)
-    nib = torch.where(g < 0, (-q) & 15, q)
+    nib = int4_to_nibble(torch.where(g < 0, -q, q)).to(torch.int32)
     return torch.where(torch.isnan(g), M4_NAN, nib), scale
 
 
@@ -425,7 +426,7 @@ def decode4_groups(nibbles: torch.Tensor, scale: torch.Tensor, second: bool) -> 
     """Inverse of encode4_groups: nibbles (R, n, G) and scales (R, n) -> fp32 groups."""
     if second:
         return (nibbles + 1).float() * (scale * (1.0 / V4_TOP)).unsqueeze(-1)
-    q = torch.where(nibbles >= 8, nibbles - 16, nibbles).float()
+    q = nibble_to_int4(nibbles).float()
     y = (q * M4_INV) * scale.unsqueeze(-1)  # 7 · fp32(1/7) rounds to 1: the group's absmax decodes exactly
     return torch.where(nibbles == M4_NAN, float("nan"), y)
 
@@ -434,10 +435,10 @@ def quantize_state4(x: torch.Tensor, second: bool, group_size: int = 128, noise:
     """A moment tensor -> (uint8 packed codes (packed_shape(x.shape)), fp32 scales (R, groups per row))."""
     n = None if noise is None else to_groups(noise.float(), group_size)
     nib, scale = encode4_groups(to_groups(x.float(), group_size), second, n)
-    return pack_nibbles(from_groups(nib, x.shape)), scale
+    return pack_codes4(from_groups(nib, x.shape)), scale
 
 
 def dequantize_state4(codes: torch.Tensor, scale: torch.Tensor, shape, second: bool,
                       group_size: int = 128) -> torch.Tensor:
-    nib = to_groups(unpack_nibbles(codes, shape), group_size)
+    nib = to_groups(unpack_codes4(codes, shape), group_size)
     return from_groups(decode4_groups(nib, scale, second), shape)

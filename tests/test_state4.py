@@ -72,7 +72,7 @@ def test_codec_nibbles_and_packing():
     x = torch.tensor([[7.0, -7.0, 3.0, -0.4, 0.6, 0.0, -3.5, 2.5]])  # absmax 7: q = x rounded, ties to even
     codes, scale = quant.quantize_state4(x, False)
     assert scale.tolist() == [[7.0]]
-    nib = quant.unpack_nibbles(codes, x.shape)
+    nib = quant.unpack_codes4(codes, x.shape)
     assert nib.tolist() == [[7, 9, 3, 0, 1, 0, 12, 2]]  # two's complement; -0.4 -> 0; -3.5 -> -4; 2.5 -> 2
     assert codes.tolist() == [[7 | 9 << 4, 3 | 0 << 4, 1 | 0 << 4, 12 | 2 << 4]]
     v = torch.tensor([16.0, 0.0, 1e-9, 8.0, 8.4, 0.5])  # odd count packs into 3 bytes; 0 and tiny -> 1/16
@@ -301,8 +301,8 @@ def _compare(params, ref_p, states, ref_s, code_tol=0.0, exact=True):
             a, b = s[name + "_scale"], rs[name + "_scale"]
             close = (a - b).abs() <= 4e-7 * b.abs()
             assert torch.equal(a, b) if exact else close.float().mean() >= 0.98, f"{name} {tuple(p.shape)}: scales"
-            ca = quant.unpack_nibbles(s[name + "_codes4"], p.shape)
-            cb = quant.unpack_nibbles(rs[name + "_codes4"], p.shape)
+            ca = quant.unpack_codes4(s[name + "_codes4"], p.shape)
+            cb = quant.unpack_codes4(rs[name + "_codes4"], p.shape)
             moved = (ca != cb).float().mean().item()
             assert moved <= code_tol, f"{name} {tuple(p.shape)}: {moved:.4%} of codes differ"
             # whole bytes, the padding nibbles of odd rows included (written as the reference writes them)
