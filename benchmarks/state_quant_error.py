@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lpoptim.bench import environment  # noqa: E402
 from lpoptim import quant  # noqa: E402
 from lpoptim.formats import E2M1, E4M3, E5M2, round_to_grid  # noqa: E402
-from lpoptim.optim.stochastic_round import hash32, sr_key  # noqa: E402
+from lpoptim.optim.stochastic_round import sr_key, uniform_noise  # noqa: E402
 from lpoptim.train.data import CharData, python_stdlib_text  # noqa: E402
 from lpoptim.train.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -109,15 +109,8 @@ def roundtrip(x, spec, step=None, salt=0):
     stochastically rounding one (``sr``) draws its noise from (element index, ``step``, ``salt``)."""
     spec = dict(spec)
     if spec.pop("sr", False):
-        spec["noise"] = sr_noise(x.shape, sr_key(torch.tensor(float(step)), salt))
+        spec["noise"] = uniform_noise(x.shape, sr_key(torch.tensor(float(step)), salt))
     return spec.pop("codec", variant_roundtrip)(x, **spec)
-
-
-def sr_noise(shape, key):
-    """Uniform [0, 1) per element, 24 bits, from hash32(row-major index ^ key) (optim/stochastic_round.py's bits):
-    deterministic, so a resumed run rounds as an uninterrupted one."""
-    idx = torch.arange(math.prod(shape), dtype=torch.int64).view(shape)
-    return (hash32(idx ^ key) >> 8).float() * 2.0 ** -24
 
 
 # ---- 4-bit candidates (--bits 4) -----------------------------------------------------------------------------
