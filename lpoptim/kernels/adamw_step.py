@@ -320,9 +320,10 @@ _STATE_KEYS4 = ("exp_avg_codes4", "exp_avg_scale", "exp_avg_sq_codes4", "exp_avg
 # Launch settings, the best of a sweep on an H100 (torch 2.11, triton 3.6; docs/results/console_h100.md): fp32
 # 7.6-8.1 ms, bf16 5.3-5.6 ms for 1.24 B parameters, host part included, on two hosts (1 group per tile: 8.1-8.2 /
 # 6.0-6.5). Groups per tile, warps per program, tiles per program. Read-only: tests swap in their own.
-# 4-bit states on fp32 parameters take their own (a sweep of 27 settings on an H100, torch 2.11, triton 3.6: 5.98
-# ms back to back for 1.24 B parameters against 6.4 with the FP8 settings, the copy floor 5.85); with bf16
-# parameters the FP8 settings were within 2% of the best.
+# 4-bit states on fp32 parameters take their own, the best of a 27-setting sweep on an H100 (torch 2.11, triton
+# 3.6; the sweep's script and output were not kept): 5.97 ms back to back for 1.24 B parameters, the copy floor
+# 5.86 (`benchmarks/optim_step.py`, docs/results/optim_step_4bit_h100.json); 6.43 with the FP8 settings in an
+# earlier run of the same benchmark (not kept). With bf16 parameters the FP8 settings were within 2% of the best.
 TUNING = MappingProxyType(dict(block_groups=2, num_warps=1, loop=8,
                                state4_fp32=MappingProxyType(dict(block_groups=4, num_warps=4, loop=8))))
 
