@@ -19,9 +19,9 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
 - ``activations``: "fp8" (what the blocks save for backward kept in FP8), "recompute" (only each block's input
   kept, in FP8; blocks recomputed in backward), a number in (0, 1) (compiled blocks only: Inductor keeps that
   fraction of what the block would save and recomputes the rest, ``activation_memory_budget``, set for these
-  blocks alone) or None. Auto: None unless the memory budget needs it; then, compiled, budgets of 0.7, 0.5 and 0.3
-  before recompute (on HF Llama-2-7B at 1 x 2048, one H100, a budget of 0.5 gave 29.4 GiB at 11.4 k tokens/s
-  where FP8 activations gave 30.8 GiB at 10.2-11.5 k); eager, FP8 activations before recompute.
+  blocks alone) or None. Auto: None unless the memory budget needs it; then FP8 activations, then (compiled)
+  budgets of 0.7, 0.5 and 0.3, then recompute: fastest first (compiled, FP8 activations cost 2% of the speed of
+  HF Llama-2-7B at 1 x 2048 on an H100 for 1.5 GiB less, a budget of 0.6 cost 15%).
 - ``compile``: each block compiled in place (``block.compile()``: parameter names and state_dict unchanged).
   Auto: on CUDA.
 - ``step_in_backward``: each parameter updated during backward and its gradient freed at once, so the whole
@@ -36,6 +36,11 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
 - ``max_memory_gib``: a budget for the training step's peak. With ``tokens`` (batch x sequence length per
   step) the plan takes the fastest candidate whose estimated peak fits (lpoptim/memory.py) and raises, naming
   the estimates, if none does.
+- FSDP2 (``fully_shard`` applied before ``prepare``; DTensor parameters): the optimizer steps each rank's shards,
+  the step in backward runs on the reduce-scattered shard, the chunked loss and FP8 activations work as without
+  it. Two parts are refused before anything changes: ``linears`` (fully_shard holds the modules it shards, so
+  they cannot be swapped afterwards: convert each block with ``convert_linears`` before ``fully_shard``; auto
+  chooses none and says so) and ``max_memory_gib`` (the estimate counts whole parameters in one process).
 
 The choices and their reasons are in ``opt.plan`` (printed with ``verbose=True``); ``opt.plan.remove()`` undoes
 the wrapping parts (activations, chunked loss, in-backward stepping; converted linears and compiled blocks stay).
@@ -49,7 +54,7 @@ import torch.nn as nn
 
 from .activations import compress_activations
 from .memory import estimate_peak_bytes
-from .nn import convert_linears
+from .nn import LowBitLinear, convert_linears
 from .nn.causal_lm_loss import chunk_causal_lm_loss, restore_causal_lm_loss, why_not
 from .nn.recipes import DEFAULT_RECIPE, RECIPES
 from .optim import AdamW
@@ -111,7 +116,7 @@ class Plan:
     @property
     def block_class(self) -> str:
         blocks = self.model.get_submodule(self.blocks) if self.model is not None else None
-        return type(blocks[0]).__name__ if blocks is not None and len(blocks) else "?"
+        return _module_class(blocks[0]).__name__ if blocks is not None and len(blocks) else "?"
 
     def remove(self) -> None:
         """Undo the wrapping parts (FP8 activations, the chunked loss, the step in backward)."""
@@ -146,7 +151,7 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     (``model.layers`` of HF Llama, ``transformer.h`` of GPT-2, ``encoder.layer`` of BERT)."""
     best, best_size = None, 0
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) >= 2 and len({type(m) for m in mod}) == 1:
+        if isinstance(mod, nn.ModuleList) and len(mod) >= 2 and len({_module_class(m) for m in mod}) == 1:
             size = sum(p.numel() for p in mod.parameters())
             if size > best_size:
                 best, best_size = (name, mod), size
@@ -188,6 +193,42 @@ def _check_choice(name: str, value, allowed) -> None:
         raise ValueError(f"lpoptim.prepare: {name}={value!r}; expected 'auto' or one of {list(allowed)}")
 
 
+def _module_class(module: nn.Module) -> type:
+    """A module's own class: FSDP2's fully_shard swaps it for a subclass, FSDP<Class>(FSDPModule, Class)."""
+    cls = type(module)
+    bases = cls.__bases__
+    return bases[1] if len(bases) == 2 and bases[0].__name__ == "FSDPModule" else cls
+
+
+def _sharded_parts(stack_name: str, stack: nn.ModuleList, params, linears, max_memory_gib, reasons: dict):
+    """What differs when the parameters are DTensors (FSDP2's fully_shard, applied before prepare); returns the
+    linears choice. The budget is refused (the estimate counts one process holding whole parameters, states and
+    gradients, not a rank's shards and the blocks FSDP2 gathers), and so is converting linears: fully_shard keeps
+    the modules it shards (it swaps their parameters for the gathered ones around each forward and backward), so a
+    module put in their place afterwards would compute with the sharded DTensor. Converted before fully_shard,
+    they work (the gathered weight is a plain tensor)."""
+    from .optim.distributed import is_dtensor
+
+    if not any(is_dtensor(p) for p in params):
+        return linears
+    if max_memory_gib is not None:
+        raise ValueError("lpoptim.prepare: max_memory_gib on a model whose parameters are DTensors (FSDP2's "
+                         "fully_shard): the peak estimate counts one process holding whole parameters, states and "
+                         "gradients, not one rank's shards; pass max_memory_gib=None and choose activations=")
+    how = (f"convert them before sharding (for block in model.{stack_name}: lpoptim.nn.convert_linears(block, "
+           f"recipe); fully_shard(block))")
+    if linears not in (AUTO, None, False):
+        raise ValueError(f"lpoptim.prepare: linears={linears!r} on a model whose parameters are DTensors (FSDP2's "
+                         f"fully_shard): fully_shard keeps the nn.Linear modules it shards, so they cannot be swapped "
+                         f"for low-bit ones afterwards; {how}, then prepare(model, linears=None)")
+    if linears == AUTO:
+        low = sum(isinstance(m, LowBitLinear) for m in stack.modules())
+        reasons["linears"] = (f"FSDP2: {low} low-bit layers, converted before fully_shard" if low else
+                              f"FSDP2: fully_shard keeps the modules it shards; {how}")
+        linears = None
+    return linears
+
+
 def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compile=AUTO, step_in_backward=AUTO,
          chunked_loss=AUTO, max_memory_gib: float | None = None, tokens: int | None = None,
          state_bits: int = 8, min_quant_numel: int = 4096, group_size: int = 128) -> Plan:
@@ -216,6 +257,7 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     cuda = device.type == "cuda"
     fp8_cores = cuda and torch.cuda.get_device_capability(device) >= (8, 9)
     reasons = {}
+    linears = _sharded_parts(name, stack, params, linears, max_memory_gib, reasons)  # FSDP2
 
     if compile == AUTO:
         compile = cuda
@@ -254,7 +296,7 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
                              "it (model.gradient_checkpointing_disable()), or pass activations=None")
         activations, reasons["activations"] = None, "HF gradient checkpointing already recomputes the blocks"
     if activations == AUTO:
-        activation_choices = [None, *(AUTO_BUDGETS if compile else ["fp8"]), "recompute"]
+        activation_choices = [None, "fp8", *(AUTO_BUDGETS if compile else ()), "recompute"]
     else:
         activation_choices = [activations or None]
 
@@ -286,6 +328,19 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
                      "estimated peaks: " + "; ".join(f"{k}: {v:.3g} GiB" for k, v in estimates.items()))
 
 
+class _CompileOnRemove:
+    """Plan.remove()'s last word on blocks whose compiled forward the FP8-activation wrapper held: compile them
+    as prepare compiles unwrapped blocks, so removing the wrapper leaves them compiled."""
+
+    def __init__(self, blocks):
+        self.blocks = list(blocks)
+
+    def remove(self) -> None:
+        for block in self.blocks:
+            block.compile()
+        self.blocks = []
+
+
 def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, linears=AUTO, activations=AUTO,
             compile=AUTO, step_in_backward=AUTO, chunked_loss=AUTO, max_memory_gib: float | None = None,
             tokens: int | None = None, verbose: bool = False, **optimizer_kwargs) -> AdamW:
@@ -308,9 +363,13 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
     if result.linears:
         for block in stack:
             convert_linears(block, result.linears)
-    if result.activations in ("fp8", "recompute"):
-        result.handles.append(compress_activations(stack, recompute=result.activations == "recompute"))
-    if result.compile:
+    wrapped = result.activations in ("fp8", "recompute")
+    if wrapped:  # compiled, the wrapper calls each block's compiled forward (wrap.py: no graph break per call)
+        result.handles.append(compress_activations(stack, recompute=result.activations == "recompute",
+                                                   compile=result.compile))
+        if result.compile:
+            result.handles.append(_CompileOnRemove(stack))  # the blocks stay compiled without the wrapper
+    elif result.compile:
         for block in stack:
             block.compile()
             if isinstance(result.activations, float):

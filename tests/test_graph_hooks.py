@@ -160,6 +160,37 @@ def test_compiled_llama_block_packs_in_graph(attention):
     torch._dynamo.reset()
 
 
+def test_compile_option_packs_the_same_without_a_graph_break():
+    """compress_activations(..., compile=True): the wrapper calls each block's compiled forward. Its graphs pack
+    what a block compiled and then wrapped packs, with the same gradients, and the blocks (two of one class)
+    share one graph with no graph break (wrapping a compiled block breaks the graph at the wrapper)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    blocks = [make_block("plain", 128, 352, 4, 64, "cpu", torch.float32) for _ in range(2)]
+    extra = blocks[0][1]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 64, 128, generator=g)
+    # the established path: each block compiled, then wrapped
+    runs = [torch.compile(b) for b, _ in blocks]
+    handle = compress_activations(runs)
+    want = [_grads(r, x, extra, params_of=b) for r, (b, _) in zip(runs, blocks)]
+    want_kinds = handle.graph_stats().summary()
+    handle.remove()
+    torch._dynamo.reset()
+    counters.clear()
+    handle = compress_activations([b for b, _ in blocks], compile=True)
+    got = [_grads(b, x, extra) for b, _ in blocks]
+    assert handle.graph_stats().summary() == want_kinds
+    for w, gr in zip(want, got):
+        torch.testing.assert_close(gr, w, rtol=0, atol=0)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    handle.remove()
+    assert not any(isinstance(getattr(b, "forward", None), torch.nn.Module) for b, _ in blocks)
+    torch._dynamo.reset()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("attention", ["keep", "fp8"])
 def test_compiled_block_bf16_on_gpu(attention):

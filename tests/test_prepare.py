@@ -544,11 +544,11 @@ def test_budget_picks_by_the_estimates():
     # cheaper in the same order, and the FP8 GEMMs' smaller saved inputs cost less than without them
     compiled = plan(model, max_memory_gib=1e9, tokens=tokens, compile=True, linears="fp8_delayed").estimate_gib
     plain = plan(model, max_memory_gib=1e9, tokens=tokens, compile=True, linears=None).estimate_gib
-    # (none, Inductor budgets 0.7, 0.5, 0.3, recompute): each rung is slower and saves more
-    assert len(compiled) == 5 and all("fp8_delayed linears" in k for k in compiled)
+    # (none, FP8 activations, Inductor budgets 0.7, 0.5, 0.3, recompute): each rung is slower and saves more
+    assert len(compiled) == 6 and all("fp8_delayed linears" in k for k in compiled)
     rungs = list(compiled.values())
     assert all(a > b > 0 for a, b in zip(rungs, rungs[1:])), compiled
-    assert "Inductor keeps 70%" in list(compiled)[1]
+    assert "FP8 activations" in list(compiled)[1] and "Inductor keeps 70%" in list(compiled)[2]
     assert all(a <= b for a, b in zip(compiled.values(), plain.values())), (compiled, plain)
     # prepare applies the choice the budget made
     opt = prepare(model, lr=1e-3, max_memory_gib=(e_none + e_fp8) / 2, tokens=tokens, compile=False,
