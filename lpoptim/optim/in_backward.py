@@ -18,6 +18,10 @@ training step is not in backward, so the bucket hardly shows).
 What the usual step sees and this cannot: all gradients at once. So no gradient clipping by global norm, no
 gradient accumulation over micro-batches (each backward updates), and no GradScaler (it unscales and checks for
 inf over all gradients before the step). The LR scheduler still works: each update reads its group's lr.
+
+Under FSDP2 (``fully_shard``) the hooks run on the sharded parameters once their gradient is reduce-scattered
+(FSDP2 calls them after assigning the shard's gradient), so each rank steps its own shard and frees it; a
+bucket counts the local shards' bytes.
 """
 from __future__ import annotations
 
@@ -89,7 +93,8 @@ def step_in_backward(optimizer, bucket_mb: float = 256, require_step: bool = Fal
             if state["unclaimed_backward"]:
                 raise RuntimeError(ACCUMULATION_ERROR)
             pending.setdefault(index, []).append(p)
-            state["bytes"] += p.grad.numel() * p.grad.element_size()
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # FSDP2: this rank's shard
+            state["bytes"] += grad.numel() * grad.element_size()
             if not state["flush_queued"]:  # the engine runs this once the whole backward is done (queued even
                 # when every parameter fills a bucket of its own, bucket_mb=0: it marks the backward for require_step)
                 torch.autograd.Variable._execution_engine.queue_callback(at_backward_end)
