@@ -292,8 +292,10 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
             raise ValueError(f"lpoptim.prepare: chunked_loss=True, but {why}")
     if _hf_checkpointing(model) and activations in (AUTO, "fp8", "recompute"):
         if activations != AUTO:
-            raise ValueError("lpoptim.prepare: the model has HF gradient checkpointing on; FP8 activations replace "
-                             "it (model.gradient_checkpointing_disable()), or pass activations=None")
+            what = "FP8 activations replace" if activations == "fp8" else "FP8 recompute replaces"
+            raise ValueError(f"lpoptim.prepare: activations={activations!r}, but the model has HF gradient "
+                             f"checkpointing on; {what} it: call model.gradient_checkpointing_disable() first, or "
+                             "pass activations=None to keep HF's")
         activations, reasons["activations"] = None, "HF gradient checkpointing already recomputes the blocks"
     if activations == AUTO:
         activation_choices = [None, "fp8", *(AUTO_BUDGETS if compile else ()), "recompute"]

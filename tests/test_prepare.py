@@ -752,6 +752,11 @@ def test_estimate_counts_the_optimizers_layout_and_hf_checkpointing():
     deep.gradient_checkpointing_enable()
     ckpt = plan(deep, compile=False)
     assert ckpt.hf_checkpointing and not plain.hf_checkpointing and ckpt.activations is None
+    assert "HF gradient checkpointing already" in ckpt.reasons["activations"]
+    for asked, what in (("fp8", "FP8 activations replace it"), ("recompute", "FP8 recompute replaces it")):
+        with pytest.raises(ValueError, match=f"activations='{asked}', but the model has HF gradient checkpointing "
+                                             f"on; {what}"):
+            plan(deep, compile=False, activations=asked)
     static = estimate_peak_bytes(deep, deep.model.layers, ckpt, 0)
     with_ckpt = estimate_peak_bytes(deep, deep.model.layers, ckpt, tokens)
     without = estimate_peak_bytes(deep, deep.model.layers, plain, tokens)
