@@ -75,6 +75,49 @@ def test_kernel_rounds_as_the_reference_interpreter(interpreter_friendly_tiles):
         assert (p != r).float().mean() < 1e-3
 
 
+def test_offset_draws_the_whole_tensors_bits():
+    """round_bf16_stochastic with ``offset`` (a shard's first element in its tensor): the two halves of a tensor,
+    each with its offset, round exactly as the whole; without it they would share their bits."""
+    x = torch.randn(64, 96, dtype=torch.float64).float() * 3
+    key = sr_key(torch.tensor(5.0), 2)
+    whole = round_bf16_stochastic(x, key)
+    halves = torch.cat([round_bf16_stochastic(x[:32], key, 0), round_bf16_stochastic(x[32:], key, 32 * 96)])
+    assert torch.equal(halves, whole)
+    local = torch.cat([round_bf16_stochastic(x[:32], key), round_bf16_stochastic(x[32:], key)])
+    assert not torch.equal(local, whole)  # by local index the second half draws the first half's bits
+
+
+@pytest.mark.parametrize("state_bits", [8, 4])
+def test_shards_step_as_the_whole_tensor_interpreter(interpreter_friendly_tiles, state_bits):
+    """The fused step (interpreter) and the reference on the two row-halves of a bf16 tensor, each given its
+    element offset (as lpoptim.AdamW passes an FSDP2 shard's), equal one step of the whole tensor bit for bit:
+    the parameter's stochastic rounding and 4-bit v's draw by the global index."""
+    layout = StateLayout(quantized=True, state_bits=state_bits)
+    gen = torch.Generator().manual_seed(0)
+    whole = torch.randn(16, 256, generator=gen).bfloat16()
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, amsgrad=False, maximize=False)
+    salts = dict(sr_salts=[9], **(dict(state_salts=[9]) if state_bits == 4 else {}))
+    for run in ("kernel", "reference"):
+        w = whole.clone()
+        shards = [w[:8].clone(), w[8:].clone()]
+        s_whole = init_state(w, layout, False)
+        s_shards = [init_state(p, layout, False) for p in shards]
+        for _ in range(3):
+            g = torch.randn(w.shape, generator=gen).bfloat16()
+            if run == "kernel":
+                kernel.fused_adamw_step([(w, g, s_whole, layout)], **salts, **hyper)
+                for i, (p, s) in enumerate(zip(shards, s_shards)):
+                    kernel.fused_adamw_step([(p, g[8 * i:8 * i + 8].contiguous(), s, layout)], **salts,
+                                            offsets=[8 * 256 * i], **hyper)
+            else:
+                reference_adamw_step(w, g, s_whole, layout, sr_salt=9, state_salt=9, **hyper)
+                for i, (p, s) in enumerate(zip(shards, s_shards)):
+                    reference_adamw_step(p, g[8 * i:8 * i + 8].contiguous(), s, layout, sr_salt=9, state_salt=9,
+                                         offset=8 * 256 * i, **hyper)
+        assert torch.equal(torch.cat(shards), w), run
+        assert not torch.equal(shards[0], shards[1])
+
+
 def _optimizer_run(stochastic: bool, dtype=torch.bfloat16, steps=200):
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.ones(64, 128, dtype=dtype))

@@ -231,7 +231,9 @@ if HAVE_TRITON:
         if HAS_GRAD_SCALE:
             inv_grad_scale = 1.0 / tl.load(grad_scale_ptr)
         if STOCHASTIC:  # the tensor's key for this step: stochastic_round.sr_key, here to save ~25 tiny launches
-            key = hash32(hash32(step.to(tl.uint32)) + tl.load(salt_ptr + tensor).to(tl.uint32) * 0x9E3779B9)
+            # the salt table holds (salt, element offset) per tensor: the offset of an FSDP2 shard's first element
+            key = hash32(hash32(step.to(tl.uint32)) + tl.load(salt_ptr + 2 * tensor).to(tl.uint32) * 0x9E3779B9)
+            index_offset = tl.load(salt_ptr + 2 * tensor + 1).to(tl.uint32)
         if AMSGRAD:
             vm_ptr = _address(row_ptrs, 6, tl.uint8, ALIGNED)
             vms_ptr = _address(row_ptrs, 7, tl.float32, ALIGNED)
@@ -269,7 +271,7 @@ if HAVE_TRITON:
             denom = sqrt_v_used * inv_bc2_sqrt + eps
             p = p * decay - step_size * (m * fast_rcp(denom, ON_GPU))
             if STOCHASTIC:  # onto the bf16 grid at random; the store below is then exact
-                p = round_bf16_stochastic(p, offs, key)
+                p = round_bf16_stochastic(p, offs.to(tl.uint32) + index_offset, key)
             store_as(p_ptr + offs, p, mask, PARAM_DTYPE, ON_GPU)
 
             _encode(m, m_ptr, ms_ptr, offs, mask, gid, gmask, EXPANSION, M_E4M3, M_MAN, M_MINEXP, M_MAX, M_SPAN, M_LOG2,
@@ -415,20 +417,21 @@ def _format_args(name: str, prefix: str) -> dict:
 
 
 def fused_adamw_step(batch, *, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, grad_scale=None, found_inf=None,
-                     sr_salts=None, state_salts=None, state_offsets=None):
+                     sr_salts=None, state_salts=None, offsets=None):
     """Steps every (param, grad, state, layout) of ``batch``: one launch per (device, dtype, layout, rows) subset.
 
     ``sr_salts``: one int per item; bf16 parameters are then rounded stochastically (reference_adamw_step's
     ``sr_salt``). ``state_salts``: one int per item, the salts of 4-bit states' stochastic rounding of v
     (reference_adamw_step's ``state_salt``; 0 where None); where both are given they must agree (one table).
-    ``state_offsets``: one int per item, reference_adamw_step's ``state_offset`` (0 where None)."""
+    ``offsets``: one int per item, reference_adamw_step's ``offset``: where an FSDP2 shard's first element lies in
+    its tensor, which both stochastic roundings draw by (0 where None)."""
     subsets: dict = {}
     for i, item in enumerate(batch):
         p, _g, _s, layout = item
         even = (p.shape[-1] if p.dim() else 1) % layout.group_size == 0
         subsets.setdefault((p.device, p.dtype, layout, even), []).append(
             (item, None if sr_salts is None else sr_salts[i],
-             (0 if state_salts is None else state_salts[i], 0 if state_offsets is None else state_offsets[i])))
+             (0 if state_salts is None else state_salts[i], 0 if offsets is None else offsets[i])))
     for (dev, dtype, layout, even), entries in subsets.items():
         items = [item for item, *_ in entries]
         salts = [salt for _, salt, _ in entries] if sr_salts is not None and dtype == torch.bfloat16 else None
@@ -437,8 +440,10 @@ def fused_adamw_step(batch, *, lr, beta1, beta2, eps, weight_decay, amsgrad, max
             state = [salt for *_, (salt, _o) in entries]
             if salts is not None and salts != state:
                 raise ValueError("fused_adamw_step: sr_salts and state_salts differ for 4-bit states")
-            # (salt, element offset mod 2^32 as int32) per tensor
-            salts = [x for *_, (salt, off) in entries for x in (salt, ((off + 2**31) % 2**32) - 2**31)]
+            salts = state
+        if salts is not None:  # (salt, element offset mod 2^32 as int32) per tensor
+            offs = [off for *_, (_salt, off) in entries]
+            salts = [x for salt, off in zip(salts, offs) for x in (salt, ((off + 2**31) % 2**32) - 2**31)]
         _launch(items, dev, dtype, layout, even, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                 amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf, salts=salts,
                 stochastic=stochastic)

@@ -153,7 +153,7 @@ def adamw4_kernel(
         denom = sqrt_v_used * inv_bc2_sqrt + eps
         p = p * decay - step_size * (m * fast_rcp(denom, ON_GPU))
         if STOCHASTIC:
-            p = round_bf16_stochastic(p, offs, key)
+            p = round_bf16_stochastic(p, offs.to(tl.uint32) + index_offset, key)
         store_as(p_ptr + offs, p, mask, PARAM_DTYPE, ON_GPU)
 
         _encode4(m, m_ptr, ms_ptr, boffs, bmask, mask, gid, gmask, 0.0, False, BLOCK_G, G, False)

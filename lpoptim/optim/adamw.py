@@ -205,11 +205,11 @@ class AdamW(Optimizer):
             else:
                 reference_adamw_step(param, grad, state, layout, grad_scale=grad_scale, found_inf=found_inf,
                                      sr_salt=salts[p] if bf16_sr else None, state_salt=salts[p] if four else 0,
-                                     state_offset=prep.offset, **hyper)
+                                     offset=prep.offset, **hyper)
         if fused_batch:
             kernel.fused_adamw_step(fused_batch, grad_scale=grad_scale, found_inf=found_inf,
                                     sr_salts=fused_salts if bf16_sr else None,
-                                    **(dict(state_salts=fused_salts, state_offsets=fused_offsets) if four else {}),
+                                    **(dict(state_salts=fused_salts) if four else {}), offsets=fused_offsets,
                                     **hyper)
 
     # calls between sweeps at least (a sweep is ~0.1 us a parameter); at least as many as the cache holds, so that
@@ -254,7 +254,7 @@ class AdamW(Optimizer):
         fusable = (group["fused"] is not False and param.device.type == "cuda"
                    and kernel.supports(param, param, layout))
         return _Prepared(options, state, param, local_state, layout, dtensor, empty, fusable,
-                         (p.shape, p.dtype, p.device), _dist.element_offset(p) if layout.state_bits == 4 else 0)
+                         (p.shape, p.dtype, p.device), _dist.element_offset(p))
 
     def _salts(self) -> dict:
         """Each parameter's index over all groups: its stochastic-rounding salt (stable across save and load)."""
@@ -378,7 +378,7 @@ class _Prepared:
     empty_shard: bool
     fusable: bool  # the kernel can step it, given a gradient of its dtype and contiguous
     tensor_key: tuple  # the parameter's (shape, dtype, device) when prepared: a p.data with others re-prepares
-    offset: int = 0  # 4-bit states: the local shard's first element in the whole tensor (v's stochastic rounding)
+    offset: int = 0  # the local shard's first element in the whole tensor: stochastic roundings draw by it
 
 
 # the group keys torch.optim.Adam's __setstate__ fills in for state dicts saved before they existed

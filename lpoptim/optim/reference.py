@@ -58,13 +58,14 @@ def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, l
                          lr, beta1: float, beta2: float, eps: float, weight_decay: float, amsgrad: bool,
                          maximize: bool, grad_scale: torch.Tensor | None = None,
                          found_inf: torch.Tensor | None = None, sr_salt: int | None = None,
-                         state_salt: int = 0, state_offset: int = 0) -> None:
+                         state_salt: int = 0, offset: int = 0) -> None:
     """One AdamW step of ``param`` in place. ``state`` holds 'step' (fp32, on the device) and the moments.
 
     ``sr_salt``: round a bf16 parameter stochastically (stochastic_round.py), with this salt in its key.
     ``state_salt``: 4-bit states (layout.state_bits == 4) round v stochastically with this salt in its key
-    (stochastic_round.v_noise_key; lpoptim.AdamW passes the parameter's index, as for sr_salt); ``state_offset``:
-    the index of ``param``'s first element in the whole tensor (an FSDP2 shard's), which the noise is drawn by.
+    (stochastic_round.v_noise_key; lpoptim.AdamW passes the parameter's index, as for sr_salt). ``offset``: the
+    index of ``param``'s first element in the whole tensor (an FSDP2 shard's), which both roundings' noise is
+    drawn by.
 
     ``grad_scale``/``found_inf`` follow torch's fused AdamW: gradients are divided by grad_scale, and when
     found_inf is non-zero nothing changes, the step count included. No host synchronisation happens here.
@@ -105,10 +106,10 @@ def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, l
     for name, value in new.items():
         noise = None
         if layout.quantized and layout.state_bits == 4 and name == "exp_avg_sq":
-            noise = uniform_noise(param.shape, v_noise_key(step, state_salt), state_offset)
+            noise = uniform_noise(param.shape, v_noise_key(step, state_salt), offset)
         entries.update(encode_moment(name, value, layout, noise))
     if sr_salt is not None and param.dtype == torch.bfloat16:
-        p_new = round_bf16_stochastic(p_new, sr_key(step, sr_salt))
+        p_new = round_bf16_stochastic(p_new, sr_key(step, sr_salt), offset)
     p_new = p_new.to(param.dtype)
     if found_inf is not None:  # skip the whole step without asking the host: keep every old value
         skip = found_inf.to(dev) != 0

@@ -49,11 +49,14 @@ def as_int32(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
 
 
-def round_bf16_stochastic(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+def round_bf16_stochastic(x: torch.Tensor, key: torch.Tensor, offset: int = 0) -> torch.Tensor:
     """fp32 ``x`` -> bf16, rounded up or down at random in proportion to the distance (unbiased).
 
-    Element i (row-major index) uses the random bits hash32(i ^ key). Non-finite values round to nearest."""
-    idx = torch.arange(x.numel(), device=x.device, dtype=torch.int64).view(x.shape)
+    Element i (row-major index) uses the random bits hash32(j ^ key), j = (i + offset) mod 2^32. ``offset``: where
+    a shard's first element lies in the whole tensor, so a shard draws the whole tensor's bits (an FSDP2 run
+    rounds as a single-process one, and shards of one tensor never share bits). Non-finite values round to
+    nearest."""
+    idx = (torch.arange(x.numel(), device=x.device, dtype=torch.int64).view(x.shape) + offset) & MASK32
     noise = hash32(idx ^ key) & 0xFFFF
     bits = x.float().contiguous().view(torch.int32).to(torch.int64) & MASK32
     rounded = as_int32((bits + noise) & 0xFFFF0000).view(torch.float32)
