@@ -18,7 +18,10 @@ activations. Targets: 7B per-GPU peak <= 0.55x torch AdamW's, tokens/s >= 0.95x.
 Optimizer runs (--optimizers, lpoptim's recipe names): ``torch`` and ``lpoptim`` as above; ``+bf16`` shards bf16
 parameters instead of fp32 masters (no fp32 copy anywhere; gradients still reduced in fp32, lpoptim rounds the
 update stochastically);
-``+act`` adds compress_activations on every block. Each lpoptim run is compared with ``torch``.
+``+act`` adds compress_activations on every block. ``prepare`` (``+bf16``: bf16 parameters) converts the
+blocks' linears to FP8 before sharding (on GPUs with FP8 tensor cores) and calls ``lpoptim.prepare`` after
+``fully_shard``: blocks compiled, the step in backward, the head and loss chunked. ``--compile`` compiles the blocks
+of the torch and lpoptim runs too. Each run is compared with ``torch``.
 """
 from __future__ import annotations
 
@@ -60,11 +63,14 @@ CONFIGS = {
 }
 
 
-def build(c: LlamaConfig, device: torch.device, mesh, ac: bool, master: str = "fp32") -> Llama:
+def build(c: LlamaConfig, device: torch.device, mesh, ac: bool, master: str = "fp32", linears: str | None = None) -> Llama:
     with torch.device("meta"):
         model = Llama(c)
     if master == "bf16":
         model.to(torch.bfloat16)
+    if linears:  # low-bit linears are converted before fully_shard (docs/distributed.md)
+        for layer in model.layers:
+            lpoptim.nn.convert_linears(layer, linears)
     if ac:  # as torchtitan: the checkpoint inside each block, FSDP2's hooks outside it
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
         model.layers = nn.ModuleList(checkpoint_wrapper(b) for b in model.layers)
@@ -81,6 +87,8 @@ def build(c: LlamaConfig, device: torch.device, mesh, ac: bool, master: str = "f
                 t.fill_(1.0)
             else:
                 t.normal_(0.0, 0.02, generator=gen)
+        for name, b in model.named_buffers():  # to_empty left them unset: the low-bit layers' amax histories
+            b.zero_()
     return model
 
 
@@ -98,17 +106,28 @@ def run_one(opt_name: str, c: LlamaConfig, args, device, mesh) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     stack = parse_stack(opt_name)  # lpoptim's one recipe vocabulary; this benchmark takes its first parts only
-    if stack.optimizer not in ("torch", "lpoptim") or stack != Stack(stack.optimizer, compress=stack.compress,
-                                                                     master=stack.master):
-        raise SystemExit(f"unknown optimizer run {opt_name!r}: torch or lpoptim, then +bf16 and/or +act")
+    if stack.optimizer not in ("torch", "lpoptim", "prepare") or stack != Stack(
+            stack.optimizer, compress=stack.compress, master=stack.master):
+        raise SystemExit(f"unknown optimizer run {opt_name!r}: torch, lpoptim or prepare, then +bf16 and/or +act")
     base = stack.optimizer
-    model = build(c, device, mesh, args.ac, stack.master)
+    # prepare: FP8 linears (converted before sharding, where the GPU has FP8 tensor cores), then lpoptim.prepare
+    # after fully_shard with its own choices (blocks compiled on CUDA, the step in backward)
+    fp8 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    model = build(c, device, mesh, args.ac, stack.master, "fp8_delayed" if base == "prepare" and fp8 else None)
     if stack.compress:
         lpoptim.compress_activations(model.layers)
     params = list(model.parameters())
+    plan = None
+    if base == "prepare":
+        model.chunked_loss = True  # the head and loss chunk by chunk (prepare's chunked loss is HF's hook)
+        opt = lpoptim.prepare(model, lr=1e-4, weight_decay=0.1)
+        plan = opt.plan.summary()
+    elif args.compile:  # torch and lpoptim runs: each block compiled in place, as prepare does
+        for layer in model.layers:
+            layer.compile()
     if base == "lpoptim":
         opt = lpoptim.AdamW(params, lr=1e-4, weight_decay=0.1, bf16_stochastic_round=stack.master == "bf16")
-    else:
+    elif base == "torch":
         impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[args.torch_impl]
         opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **impl)
     gen = torch.Generator(device=device).manual_seed(99 + dist.get_rank())
@@ -143,6 +162,7 @@ def run_one(opt_name: str, c: LlamaConfig, args, device, mesh) -> dict:
         "tokens_per_s_per_gpu": args.batch * args.seq / stats[1].item(),
         "losses": losses,
         "finite": all(math.isfinite(x) for x in losses),
+        **({"plan": plan} if plan else {}),
     }
 
 
@@ -161,6 +181,8 @@ def main(argv=None):
                     help="torch AdamW's implementation (default: torch's choice, foreach on CUDA; its step holds "
                          "fp32 temporaries the size of the parameter shard, fused does not)")
     ap.add_argument("--ac", action="store_true", help="activation checkpointing per block")
+    ap.add_argument("--compile", action="store_true",
+                    help="compile each block of the torch and lpoptim runs (prepare compiles on CUDA by itself)")
     ap.add_argument("--small", action="store_true", help="CPU smoke run: gloo, a tiny model, 64 tokens")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -201,9 +223,10 @@ def main(argv=None):
     if rank == 0:
         from lpoptim.bench import environment
 
-        meta = {**environment(), "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "world_size": world,
+        meta = {**environment(), "command": " ".join(["torchrun", f"--nproc_per_node {world}", *sys.argv]),
+                "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "world_size": world,
                 "device": torch.cuda.get_device_name(device) if use_cuda else "cpu", "batch_per_gpu": args.batch, "seq": args.seq, "steps": args.steps,
-                "warmup": args.warmup, "activation_checkpointing": args.ac, "torch_impl": args.torch_impl, "mixed_precision": "bf16 / fp32 reduce",
+                "warmup": args.warmup, "activation_checkpointing": args.ac, "compile": args.compile, "torch_impl": args.torch_impl, "mixed_precision": "bf16 / fp32 reduce",
                 "targets": TARGETS}
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
