@@ -1,6 +1,6 @@
 """The lpoptim command line.
 
-    lpoptim train [--preset tiny|shakespeare|gpt2-113m] [--runs torch,lpoptim,...] [--steps N] [--text FILE] [--out DIR]
+    lpoptim train [--preset tiny|shakespeare|gpt2-113m] [--runs torch,lpoptim,...] [--steps N] [--text FILE] [--compile] [--out DIR]
     lpoptim bench [--preset tiny|tinyllama-1.1b|llama2-7b|...] [--batch B] [--seq S] [--recipes ...]
                   [--steps N] [--compile] [--out DIR]
 
@@ -189,13 +189,14 @@ def cmd_train(ap: Parser, args) -> int:
     out_dir = make_out_dir(ap, args.out)
     results = []
     for name, run in args.runs:
-        cfg = RunConfig(**run, **preset, seed=args.seed, device=device,
+        cfg = RunConfig(**run, **preset, seed=args.seed, device=device, compile=args.compile,
                         autocast_dtype=torch.bfloat16 if device == "cuda" else None)
         results.append(dict(train(cfg, data, progress_bar(name, cfg.steps)), run=name))
     base = results[0]
     gpu = f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""
-    print(f"\ncharacter-level GPT ({preset['n_layer']} layers, {preset['n_embd']} dims, {preset['steps']} steps) on "
-          f"{Path(text).name}, {device}{gpu}, torch {torch.__version__}, seed {args.seed}")
+    print(f"\ncharacter-level GPT ({preset['n_layer']} layers, {preset['n_embd']} dims, {preset['steps']} steps"
+          f"{', blocks compiled' if args.compile else ''}) on {Path(text).name}, {device}{gpu}, torch "
+          f"{torch.__version__}, seed {args.seed}")
     w = max(40, *(len(r["label"]) for r in results))  # the run column, as wide as its longest label
     print(f"| {'run':{w}s} | train loss | val loss | best val | val vs first | state B/param (quantized) | seconds |")
     print(f"|{'-' * (w + 2)}|-----------:|---------:|---------:|-------------:|--------------------------:|--------:|")
@@ -206,7 +207,7 @@ def cmd_train(ap: Parser, args) -> int:
         print(f"| {r['label']:{w}s} | {r['train']:10.4f} | {r['val']:8.4f} | {best:8.4f} | "
               f"{100 * (r['val'] / base['val'] - 1):+11.2f}% | {quant:>25s} | {r['seconds']:7.1f} |")
     env = dict(environment(), device=device)
-    report = dict(env=env, device=device, text=str(text), preset=preset, results=results)
+    report = dict(env=env, device=device, text=str(text), preset=preset, compile=args.compile, results=results)
     (out_dir / "train.json").write_text(json.dumps(report, indent=1))
     plot_curves(results, f"small GPT on {Path(text).name}: same seed, data and schedule", out_dir / "train_loss.png")
     print(f"wrote {out_dir / 'train.json'} and {out_dir / 'train_loss.png'}")
@@ -278,6 +279,8 @@ def parser() -> Parser:
                    "library's own source, a second real text every machine has")
     t.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--compile", action="store_true",
+                   help="torch.compile each block of every run (the quality presets' steps in a fraction of the time)")
     t.add_argument("--out", default="results", help="folder for train.json and train_loss.png (default: results)")
     b = sub.add_parser("bench", help="memory and tokens/s of one training step of a Llama-shaped model per recipe",
                        formatter_class=raw, epilog=f"Recipes:\n{vocabulary()}\n\n"

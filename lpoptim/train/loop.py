@@ -40,6 +40,7 @@ class RunConfig:
     eval_batches: int = 8
     device: str = "cpu"
     autocast_dtype: torch.dtype | None = None  # bf16 autocast on the GPU; None: full fp32
+    compile: bool = False  # each block compiled (torch.compile): the same arithmetic, fewer launches
     optimizer_options: dict = field(default_factory=dict)
 
     @property
@@ -110,10 +111,13 @@ def train(cfg: RunConfig, data: CharData | None = None, progress=None) -> dict:
         from ..nn import convert_linears
 
         convert_linears(model, cfg.recipe)
-    if cfg.compress:
+    if cfg.compress:  # compiled, the wrapper calls each block's compiled forward (no graph break per call)
         from ..activations import compress_activations
 
-        compress_activations(model.layers)
+        compress_activations(model.layers, compile=cfg.compile)
+    elif cfg.compile:
+        for block in model.layers:
+            block.compile()
     opt = build_optimizer(cfg, model)
     gen = torch.Generator().manual_seed(cfg.seed)
     curve, val_curve = [], []
