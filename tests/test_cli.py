@@ -206,3 +206,15 @@ def test_train_compile_runs_the_same_arithmetic(tmp_path, capsys):
     assert max(abs(a - b) for a, b in zip(eager["curve"], compiled["curve"])) < 1e-4
     assert compiled["config"]["compile"] and not eager["config"]["compile"]
     assert cli.parser().parse_args(["train", "--compile"]).compile
+
+
+def test_stdlib_text_grows_for_the_quality_preset_and_keeps_its_start(tmp_path):
+    """--text python-stdlib: the small presets' 1.5 M characters are the start of the quality preset's larger text
+    (which holds the packages' modules too), so the small presets' figures stay reproducible."""
+    from lpoptim.__main__ import STDLIB_CHARS_BY_PRESET
+    from lpoptim.train.data import STDLIB_CHARS, python_stdlib_text
+
+    small = python_stdlib_text(tmp_path / "small.txt").read_text(encoding="utf-8")
+    large = python_stdlib_text(tmp_path / "large.txt", 3 * STDLIB_CHARS).read_text(encoding="utf-8")
+    assert len(small) == STDLIB_CHARS and len(large) == 3 * STDLIB_CHARS and large.startswith(small)
+    assert STDLIB_CHARS_BY_PRESET["gpt2-113m"] > 2000 * 32 * 512  # more than its 2000 steps train on
