@@ -41,9 +41,9 @@ PRESETS = {
     "gpt2-113m": dict(n_layer=16, n_head=12, n_embd=768, block_size=512, batch_size=32, steps=2000, lr=6e-4,
                       warmup=200, betas=(0.9, 0.95), eval_every=250, eval_batches=20),
 }
-# --text python-stdlib: the whole standard library (~30 M characters) for the quality preset, whose 2000 steps
-# train on 33 M characters (on the small presets' 1.5 M it would see each character 20 times and overfit by step
-# 750); the small presets keep the 1.5 M their published figures were measured on
+# --text python-stdlib: the whole standard library (10-30 M characters, as installed) for the quality preset, whose
+# 2000 steps train on 33 M characters (on the small presets' 1.5 M it saw each character 20 times and every run
+# overfit after step 750); the small presets keep the 1.5 M their published figures were measured on
 STDLIB_CHARS_BY_PRESET = {"gpt2-113m": 40_000_000}
 # the loop builds its own model, optimizer and data: these parts are bench's alone
 TRAIN_PARTS = "an optimizer (torch, lpoptim), then any of +bf16, +s4, +act, +<linear recipe>"
