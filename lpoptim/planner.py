@@ -20,8 +20,9 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
   kept, in FP8; blocks recomputed in backward), a number in (0, 1) (compiled blocks only: Inductor keeps that
   fraction of what the block would save and recomputes the rest, ``activation_memory_budget``, set for these
   blocks alone) or None. Auto: None unless the memory budget needs it; then FP8 activations, then (compiled)
-  budgets of 0.7, 0.5 and 0.3, then recompute: fastest first (compiled, FP8 activations cost 2% of the speed of
-  HF Llama-2-7B at 1 x 2048 on an H100 for 1.5 GiB less, a budget of 0.6 cost 15%).
+  budgets of 0.7, 0.5 and 0.3, then recompute: fastest first (compiled, FP8 activations cost 3% of the speed of
+  HF Llama-2-7B at 1 x 2048 on an H100 for 1.5 GiB less, a budget of 0.6 cost 11%:
+  docs/results/hf_llama2_7b_compiled_h100.json).
 - ``compile``: each block compiled in place (``block.compile()``: parameter names and state_dict unchanged).
   Auto: on CUDA.
 - ``step_in_backward``: each parameter updated during backward and its gradient freed at once, so the whole
