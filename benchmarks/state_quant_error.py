@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lpoptim.bench import environment  # noqa: E402
 from lpoptim import quant  # noqa: E402
 from lpoptim.formats import E2M1, E4M3, E5M2, round_to_grid  # noqa: E402
-from lpoptim.optim.stochastic_round import sr_key, uniform_noise  # noqa: E402
+from lpoptim.optim.stochastic_round import sr_key, uniform_noise, v_noise_key  # noqa: E402
 from lpoptim.train.data import CharData, python_stdlib_text  # noqa: E402
 from lpoptim.train.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -63,6 +63,13 @@ def variant_roundtrip(x, fmt=E4M3, floor_exp=-9, k_min=1.0, zero_free=False):
 def lpoptim_roundtrip(x):
     """The shipped codec (quant.quantize_state / dequantize_state)."""
     return quant.dequantize_state(*quant.quantize_state(x), group_size=128)
+
+
+def lpoptim_roundtrip4(x, step, second=False, salt=2):
+    """The shipped 4-bit codec (quant.quantize_state4 / dequantize_state4): m to nearest, v rounded
+    stochastically with the noise lpoptim.AdamW draws (stochastic_round.v_noise_key of the step and a salt)."""
+    noise = uniform_noise(x.shape, v_noise_key(torch.tensor(float(step)), salt)) if second else None
+    return quant.dequantize_state4(*quant.quantize_state4(x, second, noise=noise), x.shape, second)
 
 
 SUBNORMAL_K1 = dict(floor_exp=-9)  # lpoptim 0.1: COAT's target, k >= 1
@@ -98,6 +105,8 @@ def simulate(grads, cand, beta1=0.9, beta2=0.99):
         series = 1 + ratio * series
         if cand.get("shipped"):
             m, v = lpoptim_roundtrip(m), lpoptim_roundtrip(v)
+        elif cand.get("shipped4"):
+            m, v = lpoptim_roundtrip4(m, t), lpoptim_roundtrip4(v, t, second=True)
         else:
             m = roundtrip(m, cand["m"], t, salt=1)
             v = roundtrip(v.sqrt(), cand["v"], t, salt=2) ** 2 if cand.get("sqrt") else roundtrip(v, cand["v"], t, salt=2)
@@ -244,6 +253,9 @@ CANDIDATES_4BIT = {
         m=dict(INT4_M, sr=True), v=dict(LIN0, compand=False), bound=True),
     "m INT4 B128, v Li et al.'s B128 + bound, stochastic rounding of v": dict(
         m=INT4_M, v=dict(LIN0, compand=False, sr=True), bound=True),
+    # what ships, through lpoptim's own codec (quant.quantize_state4), not this file's candidate arithmetic
+    "lpoptim: state_bits=4 (quant.quantize_state4, v rounded stochastically, Adam's bound)": dict(
+        m=dict(INT4_M), v=dict(LIN0, compand=False), shipped4=True, bound=True),
 }
 # dominated after the synthetic pass (worse worst case and mean than a kept relative), not run on the real streams
 SYNTHETIC_ONLY_4BIT = {

@@ -55,7 +55,7 @@ class AdamW(Optimizer):
       group_size 128, scales included, against 2.06 for FP8): m as INT4 with zero (q/7 of the group's absmax,
       q = -7..7, to nearest), v on a linear grid without zero (j/16 of its absmax, j = 1..16, rounded
       stochastically: deterministic, from the step and the parameter's index), Adam's bound at decode. Measured on
-      real gradient streams (docs/optimizer.md, "4-bit states"): the largest step up to 2.18x torch's (FP8: at most
+      real gradient streams (docs/optimizer.md, "4-bit states"): the largest step up to 2.14x torch's (FP8: at most
       2x) and a mean update error of 0.38-0.41 (FP8: 0.05); a memory-for-accuracy trade. exp_avg_format,
       exp_avg_sq_format and expansion do not apply; sqrt_exp_avg_sq is refused. A state saved with the other
       state_bits is converted when loaded (decoded and encoded again).
