@@ -114,15 +114,15 @@ def run_one(opt_name: str, c: LlamaConfig, args, device, mesh) -> dict:
     # after fully_shard with its own choices (blocks compiled on CUDA, the step in backward)
     fp8 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
     model = build(c, device, mesh, args.ac, stack.master, "fp8_delayed" if base == "prepare" and fp8 else None)
-    if stack.compress:
-        lpoptim.compress_activations(model.layers)
+    if stack.compress:  # compiled: the wrapper calls each block's compiled forward
+        lpoptim.compress_activations(model.layers, compile=args.compile)
     params = list(model.parameters())
     plan = None
     if base == "prepare":
         model.chunked_loss = True  # the head and loss chunk by chunk (prepare's chunked loss is HF's hook)
         opt = lpoptim.prepare(model, lr=1e-4, weight_decay=0.1)
         plan = opt.plan.summary()
-    elif args.compile:  # torch and lpoptim runs: each block compiled in place, as prepare does
+    elif args.compile and not stack.compress:  # torch and lpoptim runs: each block compiled in place, as prepare does
         for layer in model.layers:
             layer.compile()
     if base == "lpoptim":

@@ -195,6 +195,8 @@ def cmd_train(ap: Parser, args) -> int:
     out_dir = make_out_dir(ap, args.out)
     results = []
     for name, run in args.runs:
+        if args.compile:  # each run compiles afresh: FP8-activation runs bring hooks of their own, which Dynamo guards
+            torch._dynamo.reset()  # on, and past its recompile limit it would run the blocks eagerly
         cfg = RunConfig(**run, **preset, seed=args.seed, device=device, compile=args.compile,
                         autocast_dtype=torch.bfloat16 if device == "cuda" else None)
         results.append(dict(train(cfg, data, progress_bar(name, cfg.steps)), run=name))
@@ -213,7 +215,8 @@ def cmd_train(ap: Parser, args) -> int:
         print(f"| {r['label']:{w}s} | {r['train']:10.4f} | {r['val']:8.4f} | {best:8.4f} | "
               f"{100 * (r['val'] / base['val'] - 1):+11.2f}% | {quant:>25s} | {r['seconds']:7.1f} |")
     env = dict(environment(), device=device)
-    report = dict(env=env, device=device, text=str(text), preset=preset, compile=args.compile, results=results)
+    report = dict(env=env, device=device, text=str(text), text_characters=len(data.train) + len(data.val),
+                  preset=preset, compile=args.compile, results=results)
     (out_dir / "train.json").write_text(json.dumps(report, indent=1))
     plot_curves(results, f"small GPT on {Path(text).name}: same seed, data and schedule", out_dir / "train_loss.png")
     print(f"wrote {out_dir / 'train.json'} and {out_dir / 'train_loss.png'}")

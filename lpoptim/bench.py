@@ -140,14 +140,16 @@ def build(stack: Stack, cfg: LlamaConfig, device: str, compile_blocks: bool):
         from .nn import convert_linears
 
         convert_linears(model, stack.linears)
-    if compile_blocks:
+    # FP8 activations on compiled blocks: the wrapper calls each block's compiled forward (no graph break per call)
+    wrapper_compiles = stack.compress and compile_blocks and not stack.cuda_graphs
+    if compile_blocks and not wrapper_compiles:
         for i, block in enumerate(model.layers):
             model.layers[i] = torch.compile(block, mode="reduce-overhead" if stack.cuda_graphs else None)
     handle = None
     if stack.compress:
         from .activations import compress_activations
 
-        handle = compress_activations(model.layers, recompute=stack.recompute)
+        handle = compress_activations(model.layers, recompute=stack.recompute, compile=wrapper_compiles)
     groups, lr, betas = model.param_groups(0.1), 1e-4, (0.9, 0.95)
     if stack.optimizer in ("torch", "lpoptim"):
         options = dict(fused=True) if stack.optimizer == "torch" and device == "cuda" else {}

@@ -23,7 +23,8 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
   budgets of 0.7, 0.5 and 0.3, then recompute: fastest first (compiled, FP8 activations cost 3% of the speed of
   HF Llama-2-7B at 1 x 2048 on an H100 for 1.5 GiB less, a budget of 0.6 cost 11%:
   docs/results/hf_llama2_7b_compiled_h100.json).
-- ``compile``: each block compiled in place (``block.compile()``: parameter names and state_dict unchanged).
+- ``compile``: each block compiled in place (``block.compile()``; with FP8 activations or recompute, the block's
+  forward, which their wrapper calls: parameter names and state_dict unchanged).
   Auto: on CUDA.
 - ``step_in_backward``: each parameter updated during backward and its gradient freed at once, so the whole
   set of gradients never exists. ``opt.step()`` and ``opt.zero_grad()`` stay in the loop (they find nothing left

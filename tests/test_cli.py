@@ -217,4 +217,4 @@ def test_stdlib_text_grows_for_the_quality_preset_and_keeps_its_start(tmp_path):
     small = python_stdlib_text(tmp_path / "small.txt").read_text(encoding="utf-8")
     large = python_stdlib_text(tmp_path / "large.txt", 3 * STDLIB_CHARS).read_text(encoding="utf-8")
     assert len(small) == STDLIB_CHARS and len(large) == 3 * STDLIB_CHARS and large.startswith(small)
-    assert STDLIB_CHARS_BY_PRESET["gpt2-113m"] > 2000 * 32 * 512  # more than its 2000 steps train on
+    assert STDLIB_CHARS_BY_PRESET["gpt2-113m"] > STDLIB_CHARS  # the quality preset asks for the whole library

@@ -8,8 +8,9 @@ the module's class, parameters, state_dict or hooks changes; ``remove()`` delete
 runs as plain Python: the fast way to combine the two. The wrapper enters the saved-tensor hooks and calls the
 compiled forward; Dynamo sees no wrapper frame, no graph break and no resume function, so a block call costs the
 host what a compiled block costs (wrapping a block already compiled with ``block.compile()`` instead put a graph
-break at the wrapper and a Python frame callback on every call: ~1 ms of host time per block and step, which at
-batch 1 leaves the GPU waiting for the host).
+break at the wrapper and a Python frame callback on every call: host time on every block call, which at batch
+1 leaves the GPU waiting). Dynamo guards on each handle's hooks: past its recompile limit (8), a process's ninth
+handle over blocks of one class runs them eagerly; ``torch._dynamo.reset()`` between models avoids it.
 
 torch.compile: the wrapper itself is never traced (``torch.compiler.disable(recursive=False)``): Dynamo runs it
 eagerly and compiles the block's original forward as a frame of its own, so both orders work:
