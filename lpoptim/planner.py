@@ -43,6 +43,9 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
   it. Two parts are refused before anything changes: ``linears`` (fully_shard holds the modules it shards, so
   they cannot be swapped afterwards: convert each block with ``convert_linears`` before ``fully_shard``; auto
   chooses none and says so) and ``max_memory_gib`` (the estimate counts whole parameters in one process).
+- DistributedDataParallel (the model wrapped before ``prepare``): no step in backward (DDP averages the
+  gradients as backward ends; each rank would otherwise step its own); ``step_in_backward=True`` is refused.
+  Wrapping with DDP *after* ``prepare`` cannot be seen here: prepare first with ``step_in_backward=False``.
 
 The choices and their reasons are in ``opt.plan`` (printed with ``verbose=True``); ``opt.plan.remove()`` undoes
 the wrapping parts (activations, chunked loss, in-backward stepping; converted linears and compiled blocks stay).
@@ -182,6 +185,14 @@ def _blocks(model: nn.Module, blocks) -> tuple[str, nn.ModuleList]:
     raise TypeError(f"lpoptim.prepare: blocks is a name or an nn.ModuleList, got {type(blocks).__name__}")
 
 
+def _under_ddp(model: nn.Module) -> bool:
+    """Whether ``model`` is, or holds, a DistributedDataParallel (whose gradient all-reduce a step in backward
+    would run ahead of)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return any(isinstance(m, DistributedDataParallel) for m in model.modules())
+
+
 def _hf_checkpointing(model: nn.Module) -> bool:
     """Whether HF gradient checkpointing is on (``is_activation_checkpointing`` in newer transformers)."""
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
@@ -278,7 +289,13 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     if linears and not any(type(m) is nn.Linear for m in stack.modules()):  # GPT-2's Conv1D, say
         linears = None
         reasons["linears"] = "the blocks hold no nn.Linear"
-    if step_in_backward == AUTO and any(p.dtype == torch.float16 for p in params):
+    if _under_ddp(model):  # DDP all-reduces the gradients while backward ends: a step inside it would come first
+        if step_in_backward not in (AUTO, False):
+            raise ValueError("lpoptim.prepare: step_in_backward=True on a DistributedDataParallel model: each rank "
+                             "would step its own gradient before DDP averages it (the ranks would drift apart); "
+                             "pass step_in_backward=False (or shard with FSDP2, whose reduced shards it steps)")
+        step_in_backward, reasons["step_in_backward"] = False, "DDP averages gradients as backward ends: after it"
+    elif step_in_backward == AUTO and any(p.dtype == torch.float16 for p in params):
         # fp16 trains with GradScaler, which unscales and checks every gradient before the step
         step_in_backward, reasons["step_in_backward"] = False, "fp16 parameters: GradScaler needs all gradients"
     elif step_in_backward == AUTO:

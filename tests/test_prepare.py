@@ -761,3 +761,30 @@ def test_estimate_counts_the_optimizers_layout_and_hf_checkpointing():
     with_ckpt = estimate_peak_bytes(deep, deep.model.layers, ckpt, tokens)
     without = estimate_peak_bytes(deep, deep.model.layers, plain, tokens)
     assert static < with_ckpt < 0.5 * without
+
+
+def test_ddp_model_steps_after_backward(tmp_path, monkeypatch):
+    """DistributedDataParallel averages gradients as backward ends, so a step inside backward would step each
+    rank's own gradient (two gloo ranks drifted apart by 0.09 in three steps before this rule): on a DDP model
+    the plan takes the usual step and refuses step_in_backward=True; the hooks warn where plain parameters train
+    in a process group of several ranks (how DDP wrapped after prepare looks from there)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(_tiny_llama())
+        chosen = plan(ddp, compile=False)
+        assert not chosen.step_in_backward and "DDP" in chosen.reasons["step_in_backward"]
+        with pytest.raises(ValueError, match="step_in_backward=True on a DistributedDataParallel model"):
+            plan(ddp, compile=False, step_in_backward=True)
+        model = _tiny_llama()
+        opt = prepare(model, lr=1e-3, compile=False)
+        assert opt.plan.step_in_backward
+        monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+        ids = torch.randint(0, 128, (2, 16))
+        with pytest.warns(UserWarning, match="drift apart"):
+            model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    finally:
+        dist.destroy_process_group()

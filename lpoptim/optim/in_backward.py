@@ -25,6 +25,7 @@ bucket counts the local shards' bytes.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -48,6 +49,20 @@ ACCUMULATION_ERROR = (
     "step_in_backward=False))")
 
 
+def _warn_if_replicated(p: torch.Tensor) -> None:
+    """Warn (once per handle) where a plain parameter trains in a process group of several ranks: that is how
+    DistributedDataParallel looks from here, and DDP averages gradients only as backward ends, after the step
+    these hooks take. (FSDP2's DTensor shards are stepped once reduced; other multi-process setups that do not
+    average gradients can ignore it.)"""
+    import torch.distributed as dist
+
+    if (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            and not hasattr(p, "device_mesh")):
+        warnings.warn("lpoptim.step_in_backward: plain parameters in a process group of several ranks. Under "
+                      "DistributedDataParallel each rank would step its own gradient before DDP averages it, and "
+                      "the ranks would drift apart: use step_in_backward=False there (FSDP2 works)", stacklevel=2)
+
+
 def step_in_backward(optimizer, bucket_mb: float = 256, require_step: bool = False) -> InBackwardHandle:
     """Register post-accumulate-grad hooks that step the parameters of ``optimizer`` (an lpoptim.AdamW) during
     backward, ``bucket_mb`` MiB of gradients at a time (0: each parameter as its gradient arrives), and then set
@@ -67,7 +82,7 @@ def step_in_backward(optimizer, bucket_mb: float = 256, require_step: bool = Fal
     # The handle holds it strongly, so keeping either the optimizer or the handle keeps training going.
     opt_ref = weakref.ref(optimizer)
     pending: dict[int, list] = {}  # group index -> params waiting
-    state = {"bytes": 0, "flush_queued": False, "unclaimed_backward": False}
+    state = {"bytes": 0, "flush_queued": False, "unclaimed_backward": False, "checked": False}
 
     def flush() -> None:
         opt = opt_ref()
@@ -86,6 +101,9 @@ def step_in_backward(optimizer, bucket_mb: float = 256, require_step: bool = Fal
 
     def make_hook(index: int):
         def hook(p: torch.Tensor) -> None:
+            if not state["checked"]:
+                state["checked"] = True
+                _warn_if_replicated(p)
             if opt_ref() is None:  # never silently stop training: the user dropped what steps the parameters
                 raise RuntimeError("lpoptim.step_in_backward: the optimizer was garbage-collected while its hooks "
                                    "are registered; keep a reference to it (or to the handle step_in_backward "
