@@ -43,8 +43,9 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
   it. Two parts are refused before anything changes: ``linears`` (fully_shard holds the modules it shards, so
   they cannot be swapped afterwards: convert each block with ``convert_linears`` before ``fully_shard``; auto
   chooses none and says so) and ``max_memory_gib`` (the estimate counts whole parameters in one process).
-- DistributedDataParallel (the model wrapped before ``prepare``): no step in backward (DDP averages the
-  gradients as backward ends; each rank would otherwise step its own); ``step_in_backward=True`` is refused.
+- DistributedDataParallel (the model wrapped before ``prepare``): the chunked loss goes on the model DDP wraps;
+  no step in backward (DDP averages the gradients as backward ends; each rank would otherwise step its own);
+  ``step_in_backward=True`` is refused.
   Wrapping with DDP *after* ``prepare`` cannot be seen here: prepare first with ``step_in_backward=False``.
 
 The choices and their reasons are in ``opt.plan`` (printed with ``verbose=True``); ``opt.plan.remove()`` undoes
@@ -129,7 +130,7 @@ class Plan:
             h.remove()
         self.handles = []
         if self.model is not None:
-            restore_causal_lm_loss(self.model)
+            restore_causal_lm_loss(_unwrapped(self.model))
 
 
 class _WithActivationBudget:
@@ -191,6 +192,13 @@ def _under_ddp(model: nn.Module) -> bool:
     from torch.nn.parallel import DistributedDataParallel
 
     return any(isinstance(m, DistributedDataParallel) for m in model.modules())
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The model DistributedDataParallel wraps (its forward calls the HF model's: the chunked loss goes there)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def _hf_checkpointing(model: nn.Module) -> bool:
@@ -302,11 +310,11 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
         step_in_backward = True
         reasons["step_in_backward"] = "no whole set of gradients; pass False for clipping or accumulation"
     if chunked_loss == AUTO:
-        why = why_not(model)
+        why = why_not(_unwrapped(model))
         chunked_loss = why is None
         reasons["chunked_loss"] = "no whole logits" if why is None else why
     elif chunked_loss:
-        why = why_not(model)
+        why = why_not(_unwrapped(model))
         if why:
             raise ValueError(f"lpoptim.prepare: chunked_loss=True, but {why}")
     if _hf_checkpointing(model) and activations in (AUTO, "fp8", "recompute"):
@@ -396,7 +404,7 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
             if isinstance(result.activations, float):
                 block._compiled_call_impl = _WithActivationBudget(block._compiled_call_impl, result.activations)
     if result.chunked_loss:
-        chunk_causal_lm_loss(model)
+        chunk_causal_lm_loss(_unwrapped(model))
     if result.step_in_backward:
         result.handles.append(fuse_step_into_backward(opt, require_step=True))
     opt.plan = result

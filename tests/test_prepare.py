@@ -773,9 +773,18 @@ def test_ddp_model_steps_after_backward(tmp_path, monkeypatch):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        ddp = DistributedDataParallel(_tiny_llama())
+        hf = _tiny_llama()
+        ddp = DistributedDataParallel(hf)
         chosen = plan(ddp, compile=False)
         assert not chosen.step_in_backward and "DDP" in chosen.reasons["step_in_backward"]
+        assert chosen.chunked_loss  # on the HF model DDP wraps
+        ids = torch.randint(0, 128, (2, 16))
+        want = hf(input_ids=ids, labels=ids).loss
+        opt = prepare(ddp, lr=1e-3, compile=False)
+        torch.testing.assert_close(ddp(input_ids=ids, labels=ids).loss, want, rtol=1e-5, atol=1e-6)
+        assert "_lpoptim_chunked_loss" in hf.__dict__  # the chunked loss, on the HF model inside DDP
+        opt.plan.remove()
+        assert "_lpoptim_chunked_loss" not in hf.__dict__
         with pytest.raises(ValueError, match="step_in_backward=True on a DistributedDataParallel model"):
             plan(ddp, compile=False, step_in_backward=True)
         model = _tiny_llama()
