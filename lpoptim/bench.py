@@ -475,8 +475,8 @@ def environment() -> dict:
     import sys
 
     return dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None, torch=torch.__version__,
-                triton=_version("triton"), transformers=_version("transformers"), bitsandbytes=_version("bitsandbytes"),
-                torchao=_version("torchao"),
+                triton=_version("triton"), transformers=_version("transformers"),
+                bitsandbytes=_version("bitsandbytes"), torchao=_version("torchao"),
                 command=shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
 
 

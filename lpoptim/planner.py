@@ -186,19 +186,19 @@ def _blocks(model: nn.Module, blocks) -> tuple[str, nn.ModuleList]:
     raise TypeError(f"lpoptim.prepare: blocks is a name or an nn.ModuleList, got {type(blocks).__name__}")
 
 
-def _under_ddp(model: nn.Module) -> bool:
-    """Whether ``model`` is, or holds, a DistributedDataParallel (whose gradient all-reduce a step in backward
-    would run ahead of)."""
+def _ddp(model: nn.Module) -> nn.Module | None:
+    """The DistributedDataParallel that ``model`` is or holds (whose gradient all-reduce a step in backward would
+    run ahead of), or None."""
     from torch.nn.parallel import DistributedDataParallel
 
-    return any(isinstance(m, DistributedDataParallel) for m in model.modules())
+    return next((m for m in model.modules() if isinstance(m, DistributedDataParallel)), None)
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
-    """The model DistributedDataParallel wraps (its forward calls the HF model's: the chunked loss goes there)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    """The model a DistributedDataParallel ``model`` wraps, else ``model``: where the HF parts are (its config,
+    its gradient checkpointing, its loss, which the chunked loss replaces)."""
+    ddp = _ddp(model)
+    return ddp.module if ddp is model else model
 
 
 def _hf_checkpointing(model: nn.Module) -> bool:
@@ -297,7 +297,8 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     if linears and not any(type(m) is nn.Linear for m in stack.modules()):  # GPT-2's Conv1D, say
         linears = None
         reasons["linears"] = "the blocks hold no nn.Linear"
-    if _under_ddp(model):  # DDP all-reduces the gradients while backward ends: a step inside it would come first
+    hf = _unwrapped(model)
+    if _ddp(model) is not None:  # DDP all-reduces the gradients while backward ends: a step inside it would come first
         if step_in_backward not in (AUTO, False):
             raise ValueError("lpoptim.prepare: step_in_backward=True on a DistributedDataParallel model: each rank "
                              "would step its own gradient before DDP averages it (the ranks would drift apart); "
@@ -310,14 +311,14 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
         step_in_backward = True
         reasons["step_in_backward"] = "no whole set of gradients; pass False for clipping or accumulation"
     if chunked_loss == AUTO:
-        why = why_not(_unwrapped(model))
+        why = why_not(hf)
         chunked_loss = why is None
         reasons["chunked_loss"] = "no whole logits" if why is None else why
     elif chunked_loss:
-        why = why_not(_unwrapped(model))
+        why = why_not(hf)
         if why:
             raise ValueError(f"lpoptim.prepare: chunked_loss=True, but {why}")
-    if _hf_checkpointing(model) and activations in (AUTO, "fp8", "recompute"):
+    if _hf_checkpointing(hf) and activations in (AUTO, "fp8", "recompute"):
         if activations != AUTO:
             what = "FP8 activations replace" if activations == "fp8" else "FP8 recompute replaces"
             raise ValueError(f"lpoptim.prepare: activations={activations!r}, but the model has HF gradient "
@@ -329,15 +330,14 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     else:
         activation_choices = [activations or None]
 
-    config = getattr(model, "config", None)
+    config = getattr(hf, "config", None)
     use_cache_off = bool(getattr(config, "use_cache", False))
     bf16 = any(p.dtype == torch.bfloat16 for p in params)
     result = Plan(blocks=name, n_blocks=len(stack), linears=linears, activations=activation_choices[0],
                   compile=bool(compile), step_in_backward=bool(step_in_backward), chunked_loss=bool(chunked_loss),
                   bf16_stochastic_round=bf16, use_cache_off=use_cache_off, state_bits=state_bits,
-                  min_quant_numel=min_quant_numel, group_size=group_size, hf_checkpointing=_hf_checkpointing(model),
-                  reasons=reasons,
-                  model=model)
+                  min_quant_numel=min_quant_numel, group_size=group_size, hf_checkpointing=_hf_checkpointing(hf),
+                  reasons=reasons, model=model)
     if bf16:
         reasons["bf16_stochastic_round"] = "bf16 parameters: no fp32 master copy"
     if max_memory_gib is None:
@@ -346,7 +346,7 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
         return result
     # the candidates, fastest first: the budget takes the first that fits
     candidates = [replace(result, activations=act) for act in activation_choices]
-    estimates = {c.candidate(): estimate_peak_bytes(model, stack, c, tokens) / 2**30 for c in candidates}
+    estimates = {c.candidate(): estimate_peak_bytes(hf, stack, c, tokens) / 2**30 for c in candidates}
     result.estimate_gib = estimates
     for c in candidates:
         if estimates[c.candidate()] <= max_memory_gib:
@@ -388,7 +388,7 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
     opt = AdamW(params, lr=lr, **optimizer_kwargs)  # its argument errors before the model changes
     stack = model.get_submodule(result.blocks)
     if result.use_cache_off:
-        model.config.use_cache = False
+        _unwrapped(model).config.use_cache = False
     if result.linears:
         for block in stack:
             convert_linears(block, result.linears)

@@ -777,10 +777,11 @@ def test_ddp_model_steps_after_backward(tmp_path, monkeypatch):
         ddp = DistributedDataParallel(hf)
         chosen = plan(ddp, compile=False)
         assert not chosen.step_in_backward and "DDP" in chosen.reasons["step_in_backward"]
-        assert chosen.chunked_loss  # on the HF model DDP wraps
+        assert chosen.chunked_loss and chosen.use_cache_off  # the HF model's parts, inside DDP
         ids = torch.randint(0, 128, (2, 16))
         want = hf(input_ids=ids, labels=ids).loss
         opt = prepare(ddp, lr=1e-3, compile=False)
+        assert hf.config.use_cache is False
         torch.testing.assert_close(ddp(input_ids=ids, labels=ids).loss, want, rtol=1e-5, atol=1e-6)
         assert "_lpoptim_chunked_loss" in hf.__dict__  # the chunked loss, on the HF model inside DDP
         opt.plan.remove()

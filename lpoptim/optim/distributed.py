@@ -38,7 +38,8 @@ def local(t):
 
 def element_offset(p) -> int:
     """The index, in the whole tensor (row-major), of the local shard's first element: 0 unless ``p`` is a DTensor
-    sharded along dim 0 (what 4-bit states' stochastic rounding draws its bits by, so shards round as the whole)."""
+    sharded along dim 0 (what the stochastic roundings, bf16 parameters' and 4-bit v's, draw their bits by, so
+    shards round as the whole)."""
     if not is_dtensor(p) or p.dim() == 0:
         return 0
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
