@@ -23,7 +23,8 @@ from .quant import num_groups, packed_shape
 
 BUCKET_BYTES = 256 * 2**20  # step_in_backward's default bucket
 # the caching allocator's block rounding and fragmentation: the measured peaks of HF Llama-2-7B and 13B (1 x 2048,
-# 4 x 2048; eager and compiled; nine stacks) exceeded the sum of the parts by 0.5-1.3%
+# 4 x 2048; eager and compiled; nine stacks) exceeded the sum of the parts by 0.5-1.3% (a lab tally, not kept; the
+# docs/results/hf_* peaks bound the whole estimate: docs/prepare.md)
 ALLOCATOR_OVERHEAD = 1.012
 ALPHA = {False: 2.6, True: 1.75}  # saved bytes per token / (linear inputs x element size): eager, compiled
 # (compiled, FP8 linears, FP8 activations) -> the fraction of ALPHA's bytes that is saved

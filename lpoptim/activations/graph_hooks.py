@@ -263,7 +263,7 @@ def _hook_module(fn, dispatch):
 
     def call(self, x):
         # eager mode (no frame callback set): ``dispatch`` itself; the disabled wrapper costs a few microseconds a
-        # call, and autograd calls a hook for every tensor saved or read (a tenth of an eager step's host time)
+        # call, and autograd calls a hook for every tensor saved or read (CPU micro-runs, not kept)
         return dispatch(x) if _frame_callback() is None else run(x)
 
     _skip_frame(call)
