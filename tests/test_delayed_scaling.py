@@ -7,7 +7,7 @@ import torch.nn as nn
 from lpoptim.nn.delayed import GRAD, WEIGHT, X, AmaxHistory, new_history
 from lpoptim.nn.functional import lowbit_linear
 from lpoptim.nn.linear import LowBitLinear
-from lpoptim.nn.operands import quantize_operand_delayed_keep_amax, quantize_operand_ref
+from lpoptim.nn.operands import QuantSpec, quantize, quantize_operand_ref
 from lpoptim.nn.recipes import get_recipe
 from lpoptim.quant import finite_absmax
 
@@ -126,7 +126,8 @@ def test_weight_quantizer_returns_the_absmax_it_scaled_by(device):
         assert torch.equal(got[0].float().cpu(), ref.values.float()) and torch.equal(got[1].cpu(), ref.scale)
         assert torch.equal(hk.bits.cpu(), hr.bits), step
     assert hk.calls == [0, 0, 6]
-    op, used = quantize_operand_delayed_keep_amax(w.to(device), "e4m3", hk)  # the operand form: the same
+    op = quantize(w.to(device), QuantSpec("e4m3", "tensor", "delayed", keep="amax"), history=hk)  # the operand form
+    used = op.amax  # the same
     assert used.item() == hr.take_ref(w).item() and torch.equal(op.scale.cpu(), quantize_operand_ref(
         w, "e4m3", "tensor", amax=used.cpu()).scale)
     with pytest.raises(ValueError, match="used_amax"):

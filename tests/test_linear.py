@@ -9,7 +9,7 @@ from lpoptim.nn import LowBitLinear, convert_linears, converted, get_recipe, low
 from lpoptim.nn.fp4 import dge_derivative, occ_split, occ_threshold
 from lpoptim.nn.functional import Fp4LinearFunction
 from lpoptim.hadamard import block_hadamard, hadamard_pm1, pick_block
-from lpoptim.nn.operands import Operand, gemm, quantize_operand
+from lpoptim.nn.operands import Operand, QuantSpec, gemm, quantize
 from lpoptim.train.gpt import GPT, GPTConfig
 
 
@@ -23,8 +23,8 @@ def rel(a, b):
 @pytest.mark.parametrize("fmt", ["e2m1", "int4_sym"])
 def test_4bit_gemm_equals_float64_gemm(fmt):
     g = torch.Generator().manual_seed(0)
-    a = quantize_operand(torch.randn(33, 4096, generator=g), fmt)
-    b = quantize_operand(torch.randn(48, 4096, generator=g), fmt)
+    a = quantize(torch.randn(33, 4096, generator=g), QuantSpec(fmt))
+    b = quantize(torch.randn(48, 4096, generator=g), QuantSpec(fmt))
     # unit scales: the fp32 accumulation of 4-bit products (multiples of 1/4) is exact
     a1, b1 = Operand(a.values, torch.ones_like(a.scale)), Operand(b.values, torch.ones_like(b.scale))
     exact = a.values.double() @ b.values.double().t()
@@ -68,8 +68,8 @@ def test_hadamard_spreads_outliers_for_int4():
     g = torch.Generator().manual_seed(4)
     x = torch.randn(64, 256, generator=g)
     x[:, 3] *= 50
-    plain = quantize_operand(x, "int4_sym").dequantize()
-    had = block_hadamard(quantize_operand(x, "int4_sym", hadamard_block=128).dequantize(), 128)
+    plain = quantize(x, QuantSpec("int4_sym")).dequantize()
+    had = block_hadamard(quantize(x, QuantSpec("int4_sym", hadamard_block=128)).dequantize(), 128)
     assert rel(had, x) < 0.5 * rel(plain, x)
 
 
@@ -111,7 +111,7 @@ def test_fp4_forward_is_clamped_gemm_plus_residual():
     x[0, 0] = 40.0
     y = lowbit_linear(x, w, None, get_recipe("fp4"))
     xc, r = occ_split(x, 0.99)
-    expect = gemm(quantize_operand(xc, "e2m1"), quantize_operand(w, "e2m1")) + r @ w.t()
+    expect = gemm(quantize(xc, QuantSpec("e2m1")), quantize(w, QuantSpec("e2m1"))) + r @ w.t()
     assert torch.allclose(y, expect, atol=1e-5)
 
 
@@ -254,10 +254,10 @@ def test_no_grad_forward_saves_no_transposed_copy(monkeypatch):
     from lpoptim.nn import functional
 
     calls = []
-    real, real_both = functional._save_x_for_dw, functional.quantize_operand_and_transpose
+    real, real_both = functional._save_x_for_dw, functional.quantize_pair
     real_4bit = functional._fp4_forward_and_xt
     monkeypatch.setattr(functional, "_save_x_for_dw", lambda *a: calls.append("xt") or real(*a))
-    monkeypatch.setattr(functional, "quantize_operand_and_transpose", lambda *a, **k: calls.append("x+xt") or real_both(*a, **k))
+    monkeypatch.setattr(functional, "quantize_pair", lambda *a, **k: calls.append("x+xt") or real_both(*a, **k))
     monkeypatch.setattr(functional, "_fp4_forward_and_xt", lambda *a: calls.append("4bit+xt") or real_4bit(*a))
     # fp8: x and xᵀ together; fp4_fast (fp8 backward per tensor): xᵀ's absmax from x's row pass; int4 (Hadamard):
     # xᵀ on its own
@@ -308,16 +308,16 @@ def test_weight_absmax_carried_to_the_backward_gives_the_same_operand():
     w = torch.randn(48, 80) * 0.05
     w[3, 7] = float("inf")  # not finite: never sets the scale
     r = get_recipe("fp8_tensor")
-    fresh = quantize_operand(w.t(), r.bwd_fmt, "tensor")
+    fresh = quantize(w.t(), QuantSpec(r.bwd_fmt, "tensor"))
     carried = _quantize_wt(w, r, tensor_amax(w))
     assert torch.equal(carried.values.view(torch.uint8), fresh.values.view(torch.uint8))
     assert torch.equal(carried.scale, fresh.scale)
     wrong = _quantize_wt(w, r, tensor_amax(w) * 2)
     assert not torch.equal(wrong.scale, fresh.scale)
     with pytest.raises(ValueError, match="amax"):
-        quantize_operand(w, "e4m3", "row", amax=tensor_amax(w))
+        quantize(w, QuantSpec("e4m3", "row"), amax=tensor_amax(w))
     with pytest.raises(ValueError, match="amax must be one fp32"):
-        quantize_operand(w, "e4m3", "tensor", amax=tensor_amax(w).double())
+        quantize(w, QuantSpec("e4m3", "tensor"), amax=tensor_amax(w).double())
     with pytest.raises(ValueError, match="does not fit"):  # an absmax where column maxima are expected
         _quantize_wt(w, get_recipe("fp8"), tensor_amax(w))
 

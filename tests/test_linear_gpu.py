@@ -7,7 +7,7 @@ import triton.language as tl
 
 from lpoptim.kernels.grid import div_rn_by
 from lpoptim.nn import LowBitLinear
-from lpoptim.nn.operands import gemm, quantize_operand, quantize_operand_ref
+from lpoptim.nn.operands import QuantSpec, gemm, quantize, quantize_operand_ref, quantize_pair
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_kernel_matches_reference_on_gpu(fmt, gran, transposed):
     x = torch.randn(300, 512, device="cuda") * 3
     x = x.t() if transposed else x
-    op = quantize_operand(x, fmt, gran)
+    op = quantize(x, QuantSpec(fmt, gran))
     ref = quantize_operand_ref(x.cpu(), fmt, gran, None, op.values.shape[1])
     diff = (op.values.cpu().float() != ref.values.float())
     assert diff.float().mean() <= 1e-4, (f"{int(diff.sum())} values differ, e.g. "
@@ -30,7 +30,7 @@ def test_kernel_matches_reference_on_gpu(fmt, gran, transposed):
 def test_hadamard_kernel_bf16_on_gpu(transposed):
     x = (torch.randn(256, 1024, device="cuda") * 3).to(torch.bfloat16)
     x = x.t() if transposed else x
-    op = quantize_operand(x, "int4_sym", "row", 128)
+    op = quantize(x, QuantSpec("int4_sym", "row", hadamard_block=128))
     ref = quantize_operand_ref(x.cpu(), "int4_sym", "row", 128, op.values.shape[1])
     assert torch.allclose(op.scale.cpu(), ref.scale, rtol=1e-6)
     diff = (op.values.cpu().float() - ref.values.float()).abs()
@@ -40,8 +40,8 @@ def test_hadamard_kernel_bf16_on_gpu(transposed):
 @pytest.mark.filterwarnings("error:torch._scaled_mm failed")  # no silent fallback to the fp32 emulation
 @pytest.mark.parametrize("fmt", ["e2m1", "int4_sym"])
 def test_scaled_mm_4bit_is_exact(fmt):
-    a = quantize_operand(torch.randn(256, 4096, device="cuda"), fmt, "tensor")
-    b = quantize_operand(torch.randn(512, 4096, device="cuda"), fmt, "tensor")
+    a = quantize(torch.randn(256, 4096, device="cuda"), QuantSpec(fmt, "tensor"))
+    b = quantize(torch.randn(512, 4096, device="cuda"), QuantSpec(fmt, "tensor"))
     out = gemm(a, b, torch.float32)
     ref = (a.values.double() * a.scale.double()) @ (b.values.double() * b.scale.double()).t()
     # The products of 4-bit values are exact and so is their accumulation ; the fp32 scales and
@@ -82,14 +82,12 @@ def test_layer_on_gpu_matches_cpu_reference(recipe):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_and_cols_together_on_gpu(dtype):
     """The two-pass x / xᵀ quantizer (column maxima by atomics, hardware fp8 cast) gives the reference's bits."""
-    from lpoptim.nn.operands import quantize_operand_and_transpose
-
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(1000, 700, device="cuda", generator=g) * 3).to(dtype)
     x[:, 5] = 0.0
     x[9, 11], x[20, 3], x[30, 4] = float("inf"), float("nan"), 1e4
     for fr, fc in (("e4m3", "e4m3"), ("e5m2", "e5m2")):
-        a, b = quantize_operand_and_transpose(x, fr, fc)
+        a, b = quantize_pair(x, QuantSpec(fr), QuantSpec(fc))
         for op, ref in ((a, quantize_operand_ref(x, fr, "row", None, 704)),
                         (b, quantize_operand_ref(x.t(), fc, "row", None, 1008))):
             assert torch.equal(op.values.float().nan_to_num(7.0), ref.values.float().nan_to_num(7.0))
@@ -99,13 +97,11 @@ def test_rows_and_cols_together_on_gpu(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_per_tensor_rows_and_cols_on_gpu(dtype):
     """The per-tensor x / xᵀ quantizer (one absmax pass, one pass writing both copies) gives the reference's bits."""
-    from lpoptim.nn.operands import quantize_operand_and_transpose
-
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(1000, 700, device="cuda", generator=g) * 3).to(dtype)
     x[9, 11], x[20, 3], x[30, 4] = float("inf"), float("nan"), 1e4
     for fr, fc in (("e4m3", "e4m3"), ("e5m2", "e5m2"), ("e4m3", "e5m2")):
-        a, b = quantize_operand_and_transpose(x, fr, fc, granularity="tensor")
+        a, b = quantize_pair(x, QuantSpec(fr, "tensor"), QuantSpec(fc, "tensor"))
         for name, op, ref in (("x", a, quantize_operand_ref(x, fr, "tensor", None, 704)),
                               ("xt", b, quantize_operand_ref(x.t(), fc, "tensor", None, 1008))):
             got, want = op.values.float().nan_to_num(7.0), ref.values.float().nan_to_num(7.0)
@@ -128,10 +124,10 @@ def test_fast_accum_forward_is_close_to_exact_accumulation():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_carried_absmax_matches_a_fresh_one_on_gpu(dtype):
     """The per-tensor kernel with W's absmax given (fp8_tensor's backward) writes the codes it writes without."""
-    from lpoptim.nn.operands import quantize_operand, tensor_amax
+    from lpoptim.nn.operands import tensor_amax
     w = (torch.randn(512, 384, device="cuda") * 0.05).to(dtype)
-    fresh = quantize_operand(w.t(), "e4m3", "tensor")
-    carried = quantize_operand(w.t(), "e4m3", "tensor", amax=tensor_amax(w))
+    fresh = quantize(w.t(), QuantSpec("e4m3", "tensor"))
+    carried = quantize(w.t(), QuantSpec("e4m3", "tensor"), amax=tensor_amax(w))
     assert torch.equal(carried.values.view(torch.uint8), fresh.values.view(torch.uint8))
     assert torch.equal(carried.scale, fresh.scale)
 
@@ -140,16 +136,16 @@ def test_carried_absmax_matches_a_fresh_one_on_gpu(dtype):
 def test_transposed_copy_alone_and_fused_maxima_match_the_reference_on_gpu(dtype):
     """The per-tensor transposed copy alone (xᵀ, Wᵀ: its own tile) and the row pass's tensor maximum (fp4_fast's
     saved xᵀ and W statistic) give the reference's bits, with rows not a multiple of any tile and inf / NaN in x."""
-    from lpoptim.nn.operands import quantize_operand, quantize_operand_keep_tensor_max
     from lpoptim.quant import finite_absmax
 
     g = torch.Generator(device="cuda").manual_seed(1)
     x = (torch.randn(1000, 700, device="cuda", generator=g) * 3).to(dtype)
     x[9, 11], x[20, 3], x[30, 4] = float("inf"), float("nan"), -1e4
     for fmt in ("e4m3", "e5m2"):
-        got, want = quantize_operand(x.t(), fmt, "tensor"), quantize_operand_ref(x.t(), fmt, "tensor", None, 1008)
+        got, want = quantize(x.t(), QuantSpec(fmt, "tensor")), quantize_operand_ref(x.t(), fmt, "tensor", None, 1008)
         assert torch.equal(got.values.view(torch.uint8), want.values.view(torch.uint8)) and torch.equal(got.scale, want.scale)
-    op, amax = quantize_operand_keep_tensor_max(x, "e2m1")
+    op = quantize(x, QuantSpec("e2m1", keep="amax"))
+    amax = op.amax
     ref = quantize_operand_ref(x, "e2m1", "row", None, 704)
     assert torch.equal(op.values.view(torch.uint8), ref.values.view(torch.uint8)) and torch.equal(op.scale, ref.scale)
     assert amax.item() == finite_absmax(x.float()).item() == abs(x[30, 4].item())  # -1e4 as the dtype holds it

@@ -79,10 +79,10 @@ def test_rows_and_cols_together_match_two_references(row_fmt, col_fmt, dtype):
 
 
 def test_operand_and_transpose_falls_back_to_the_reference_on_cpu():
-    from lpoptim.nn.operands import quantize_operand_and_transpose
+    from lpoptim.nn.operands import QuantSpec, quantize_pair
 
     x = _x(20, 33, False)
-    a, b = quantize_operand_and_transpose(x, "e4m3", "e5m2")
+    a, b = quantize_pair(x, QuantSpec("e4m3"), QuantSpec("e5m2"))
     ra, rb = quantize_operand_ref(x, "e4m3", "row", None, 48), quantize_operand_ref(x.t(), "e5m2", "row", None, 32)
     assert torch.equal(a.values.float(), ra.values.float()) and torch.equal(b.values.float(), rb.values.float())
     assert torch.equal(a.scale, ra.scale) and torch.equal(b.scale, rb.scale)
@@ -145,11 +145,11 @@ def test_per_tensor_with_nothing_to_read_sets_scale_one():
 def test_per_tensor_pair_reference_rounds_once_with_the_same_bits(fmt):
     """The reference path (CPU, and what torch.compile traces) of x and xᵀ per tensor in one format takes xᵀ's
     codes from x's: the same bits as quantizing x.t() on its own."""
-    from lpoptim.nn.operands import quantize_operand_and_transpose
+    from lpoptim.nn.operands import QuantSpec, quantize_pair
 
     x = _x(37, 50, False)
     x[3, 4], x[5, 6] = float("inf"), float("nan")
-    a, b = quantize_operand_and_transpose(x, fmt, fmt, granularity="tensor")
+    a, b = quantize_pair(x, QuantSpec(fmt, "tensor"), QuantSpec(fmt, "tensor"))
     for op, ref in ((a, quantize_operand_ref(x, fmt, "tensor", None, 64)),
                     (b, quantize_operand_ref(x.t(), fmt, "tensor", None, 48))):
         assert op.values.shape == ref.values.shape and op.values.is_contiguous()

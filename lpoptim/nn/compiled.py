@@ -21,8 +21,9 @@ from .recipes import BY_KEY, Recipe
 
 def xt_layout(tokens, in_features, r: Recipe) -> tuple:
     """(values shape, values dtype, scale shape) of the xᵀ operand the forward saves for dW."""
-    scale = (in_features, 1) if r.backward_granularity == "row" else ()
-    return (in_features, padded(tokens, 16)), container_dtype(r.bwd_fmt), scale
+    spec = r.specs.xt
+    scale = (in_features, 1) if spec.granularity == "row" else ()
+    return (in_features, padded(tokens, spec.pad_to)), container_dtype(spec.fmt), scale
 
 
 @torch.library.custom_op("lpoptim::lowbit_linear", mutates_args=())

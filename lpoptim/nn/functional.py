@@ -16,10 +16,7 @@ import torch
 from ..formats import E2M1
 from ..quant import absmax_scale
 from .fp4 import dge_derivative, occ_split, residual_matmul
-from ..hadamard import pick_block
-from .operands import (Operand, gemm, quantize_operand, quantize_operand_and_transpose, quantize_operand_delayed_keep_amax,
-                       quantize_operand_keep_col_max, quantize_operand_keep_tensor_max, quantize_transpose_from_max,
-                       tensor_amax, use_kernels)
+from .operands import Operand, gemm, quantize, quantize_pair, tensor_amax, use_kernels
 from .recipes import Recipe
 
 
@@ -30,7 +27,7 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 def _save_x_for_dw(x2: torch.Tensor, r: Recipe, hx=None) -> Operand:
     """x (M, K) -> xᵀ (K, M padded) quantized along tokens: the dW GEMM's second operand. ``hx``: x's amax
     history (delayed scaling, per tensor)."""
-    return quantize_operand(x2.t(), r.bwd_fmt, r.backward_granularity, history=hx)
+    return quantize(x2.t(), r.specs.xt, history=hx)
 
 
 def _quantize_wt(w, r: Recipe, w_stat, hw=None) -> Operand:
@@ -38,16 +35,14 @@ def _quantize_wt(w, r: Recipe, w_stat, hw=None) -> Operand:
     per row, W's column maxima; per tensor, W's absmax (the same scale again). Without it (int4's forward, or a
     frozen weight's forward, which quantizes W without a statistic), per tensor with ``hw`` (W's amax history:
     delayed scaling) one pass that records W's absmax."""
+    spec = r.specs.wt
     if w_stat is None:
-        hw = hw if r.backward_granularity == "tensor" else None
-        return quantize_operand(w.t(), r.bwd_fmt, r.backward_granularity, history=hw)
+        return quantize(w.t(), spec, history=hw)
     per_tensor = w_stat.dim() == 0  # what the forward left: one absmax, or one maximum per column
-    if per_tensor != (r.backward_granularity == "tensor"):
+    if per_tensor != (spec.granularity == "tensor"):
         raise ValueError(f"W's statistic from the forward ({'absmax' if per_tensor else 'column maxima'}) does not "
-                         f"fit a backward per {r.backward_granularity}")
-    if per_tensor:
-        return quantize_operand(w.t(), r.bwd_fmt, "tensor", amax=w_stat)
-    return quantize_transpose_from_max(w, r.bwd_fmt, w_stat)
+                         f"fit a backward per {spec.granularity}")
+    return quantize(w.t(), spec, amax=w_stat)
 
 
 def _fp4_forward_and_xt(x2, w, r: Recipe, out_dtype):
@@ -58,10 +53,11 @@ def _fp4_forward_and_xt(x2, w, r: Recipe, out_dtype):
         return None, None, None
     # the order the GPU gets them: the small weight first, then x, then the GEMM before xᵀ (which only the
     # backward reads), so the GEMM waits on no host work that it does not need
-    wq, w_amax = quantize_operand_keep_tensor_max(w, r.fwd_fmt)
-    xq, x_amax = quantize_operand_keep_tensor_max(x2, r.fwd_fmt)
+    s = r.specs
+    wq = quantize(w, s.w_kept)
+    xq = quantize(x2, s.x_kept)
     y = gemm(xq, wq, out_dtype)
-    return y, quantize_operand(x2.t(), r.bwd_fmt, "tensor", amax=x_amax), w_amax
+    return y, quantize(x2.t(), s.xt, amax=xq.amax), wq.amax
 
 
 def _fp8_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, dx_dtype, dw_dtype, w_stat=None,
@@ -70,15 +66,15 @@ def _fp8_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, d
     ``hw``: W's, for a Wᵀ the forward left no statistic for."""
     dx = dw = None
     gq = gt = None
-    gran = r.backward_granularity
+    spec = r.specs.dy
     if need_dx and need_dw:  # dy and dyᵀ: two passes over dy, not three (or four, per tensor); one with hg
-        gq, gt = quantize_operand_and_transpose(g2, r.grad_fmt, r.grad_fmt, granularity=gran, history=hg)
+        gq, gt = quantize_pair(g2, spec, spec, history=hg)
     if need_dw:  # first: its operands are ready, so the GPU starts a GEMM while the host prepares Wᵀ
-        gt = gt or quantize_operand(g2.t(), r.grad_fmt, gran, history=hg)  # (N, M padded like xt)
+        gt = gt or quantize(g2.t(), spec, history=hg)  # (N, M padded like xt)
         dw = gemm(gt, xt, dw_dtype)
         gt = None  # freed before Wᵀ and dx are made: the peak stays below what it was with dx first
     if need_dx:
-        gq = gq or quantize_operand(g2, r.grad_fmt, gran, history=None if need_dw else hg)    # (M, N)
+        gq = gq or quantize(g2, spec, history=None if need_dw else hg)    # (M, N)
         dx = gemm(gq, _quantize_wt(w, r, w_stat, hw), dx_dtype)
     return dx, dw
 
@@ -182,26 +178,20 @@ def lowbit_backward(g2, w, xt: Operand | None, w_stat, r: Recipe, need_dx: bool,
 class Fp8LinearFunction(_LowBitLinearFunction):
     @staticmethod
     def forward_gemm(x2, w, r, out_dtype, hx=None):
-        hx = hx if r.granularity == "tensor" else None
-        return gemm(quantize_operand(x2, r.fwd_fmt, r.granularity, history=hx),
-                    quantize_operand(w, r.fwd_fmt, r.granularity), out_dtype, r.fast_accum)
+        return gemm(quantize(x2, r.specs.x, history=hx), quantize(w, r.specs.w), out_dtype, r.fast_accum)
 
     @staticmethod
     def forward_gemm_and_xt(x2, w, r, out_dtype, hx=None, hw=None):
         if r.backward_granularity != r.granularity:
             return None, None, None
-        # the small weight first (its kernels are short: the host issues x's behind them), then x for the forward
-        # and xᵀ for dW, in two passes over x
-        if r.granularity == "row":
-            wq, w_stat = quantize_operand_keep_col_max(w, r.fwd_fmt)  # W's columns: one pass in backward
-        elif hw is not None:  # delayed: W's scale from its history, recorded by the same pass (no absmax pass);
-            wq, w_stat = quantize_operand_delayed_keep_amax(w, r.fwd_fmt, hw)  # Wᵀ in the backward: the same
-        else:  # W's absmax, taken once: its transposed copy in the backward has the same scale
-            w_stat = tensor_amax(w)
-            wq = quantize_operand(w, r.fwd_fmt, "tensor", amax=w_stat)
-        xq, xt = quantize_operand_and_transpose(x2, r.fwd_fmt, r.bwd_fmt, granularity=r.granularity,
-                                                history=hx if r.granularity == "tensor" else None)
-        return gemm(xq, wq, out_dtype, r.fast_accum), xt, w_stat
+        # the small weight first (its kernels are short: the host issues x's behind them), keeping what its
+        # transposed copy in backward takes its scales from (per row the column maxima: one pass; per tensor the
+        # absmax its scale came from, delayed or current: no absmax pass), then x for the forward and xᵀ for dW,
+        # in two passes over x
+        s = r.specs
+        wq = quantize(w, s.w_kept, history=hw)
+        xq, xt = quantize_pair(x2, s.x, s.xt, history=hx)
+        return gemm(xq, wq, out_dtype, r.fast_accum), xt, wq.amax
 
 
 class Fp4LinearFunction(_LowBitLinearFunction):
@@ -212,7 +202,7 @@ class Fp4LinearFunction(_LowBitLinearFunction):
         resid = None
         if r.occ_alpha is not None:
             x2, resid = occ_split(x2, r.occ_alpha, r.occ_sample)
-        xq, wq = quantize_operand(x2, "e2m1", r.granularity), quantize_operand(w, "e2m1", r.granularity)
+        xq, wq = quantize(x2, r.specs.x), quantize(w, r.specs.w)
         if resid is None:
             return gemm(xq, wq, out_dtype)
         # the clamped-off outliers, in fp32 against the unquantized weight
@@ -243,7 +233,7 @@ class Fp4LinearFunction(_LowBitLinearFunction):
     def weight_grad_factor(w, r):
         if r.dge_k is None:
             return None
-        q = quantize_operand(w, "e2m1", r.granularity)  # only for its scale: v = w / scale, as quantized
+        q = quantize(w, r.specs.w)  # only for its scale: v = w / scale, as quantized
         v = w.float() / q.scale
         return dge_derivative(v, r.dge_k, r.dge_cap)
 
@@ -253,9 +243,8 @@ class Int4LinearFunction(_LowBitLinearFunction):
 
     @staticmethod
     def forward_gemm(x2, w, r, out_dtype, hx=None):
-        b = pick_block(w.shape[1], r.hadamard_block)
-        wq = quantize_operand(w, r.fwd_fmt, "row", b)  # the small weight first: the host issues x's behind it
-        return gemm(quantize_operand(x2, r.fwd_fmt, "row", b), wq, out_dtype)
+        wq = quantize(w, r.specs.w)  # the small weight first: the host issues x's behind it
+        return gemm(quantize(x2, r.specs.x), wq, out_dtype)
 
 
 FUNCTIONS = {"e4m3": Fp8LinearFunction, "e2m1": Fp4LinearFunction, "int4_sym": Int4LinearFunction,

@@ -1,10 +1,18 @@
-"""GEMM operands: quantize a 2-D tensor along its contraction dimension, and multiply two such operands.
+"""GEMM operands: how one is quantized (QuantSpec), the one call that quantizes it (quantize), and the GEMM.
 
 An operand is a matrix read by the GEMM with its contraction dimension last: ``values`` (R, C) on a format's grid
 held in an fp8 dtype, and ``scale`` fp32, one per row (R, 1) or one for the tensor. E2M1 and INT4 values are
 exact in float8_e4m3fn, so the 4-bit recipes use the same container and the same FP8 tensor-core GEMM, which is
-exact with fp32 accumulation (use_fast_accum=False). ``quantize(..., granularity="row")`` from lpoptim.quant is
-the reference; on CUDA a fused Triton kernel (lpoptim/kernels/linear_quant.py) computes the same thing.
+exact with fp32 accumulation (use_fast_accum=False).
+
+What ``quantize(x, spec)`` computes, for 2-D ``x`` of any strides (``x.t()`` quantizes x's columns, output
+transposed): x's columns zero-padded to a multiple of ``spec.pad_to`` and of the Hadamard block (zeros change no
+GEMM result), a block Hadamard along them if the spec has one, then ``scale = amax / fmt.max`` from the finite
+absmax of each row or of the tensor (x's own; or given; or with delayed scaling the larger of an amax history's
+and x's own), and ``values = x / scale`` rounded onto the format's grid. ``quantize_pair`` gives x's and xᵀ's
+operands together. Two backends compute the same bits: the reference (torch ops: the CPU, and what torch.compile
+traces; ``quantize(..., granularity="row")`` of lpoptim.quant after hadamard.block_hadamard) and, for CUDA tensors
+in eager mode, the Triton kernels of lpoptim/kernels/linear_quant.py.
 """
 from __future__ import annotations
 
@@ -16,13 +24,35 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import E4M3, E5M2, container_dtype, get_format, round_to_grid
-from ..quant import finite_absmax, tensor_or_row_scale
-from ..hadamard import block_hadamard
+from ..quant import absmax_scale, finite_absmax, tensor_or_row_scale
+from ..hadamard import block_hadamard, pick_block
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one GEMM operand is quantized along its rows (Recipe.specs gives each operand of a layer its own).
+
+    ``granularity``: one scale per row, or "tensor": one. ``scaling`` (per tensor): "current", the absmax of the
+    tensor itself (or the one passed as ``amax``), or "delayed", the larger of x's own and the window of the
+    AmaxHistory passed as ``history``, which also records x's (nn/delayed.py; without a history: current).
+    ``hadamard_block`` (per row): a block-diagonal Hadamard along the rows first, the block the largest power of
+    two up to this one that divides the row width (hadamard.pick_block). ``keep``: also return, as the operand's
+    ``amax``, what a later copy of x.t() takes its scales from without a pass of its own: "amax", the absmax the
+    scale came from (per row: x's finite absmax), or "col_max", each column's finite absmax as fp32 bits in int32
+    (per row, CUDA only: None elsewhere). The copy of x.t() made with x's in one go is quantize_pair's."""
+    fmt: str
+    granularity: str = "row"
+    scaling: str = "current"
+    hadamard_block: int | None = None
+    keep: str | None = None
+    pad_to: int = 16
+
 
 @dataclass
 class Operand:
     values: torch.Tensor  # (R, C), fp8 dtype, contiguous
     scale: torch.Tensor   # fp32: (R, 1) per row, or 0-dim per tensor
+    amax: torch.Tensor | None = None  # what QuantSpec.keep asked for (None where it asked for nothing)
 
     def dequantize(self) -> torch.Tensor:
         return self.values.float() * self.scale
@@ -30,36 +60,6 @@ class Operand:
 
 def padded(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-def quantize_operand_ref(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block: int | None = None,
-                         cols: int | None = None, amax: torch.Tensor | None = None) -> Operand:
-    """Reference: zero-pad the columns to ``cols``, optional block Hadamard along them, absmax-quantize.
-    ``amax`` (per tensor only): x's finite absmax, already known (tensor_amax), so not taken again."""
-    fmt = get_format(fmt)
-    x = x.float()
-    if cols is not None and cols != x.shape[1]:
-        x = F.pad(x, (0, cols - x.shape[1]))
-    if hadamard_block:
-        x = block_hadamard(x, hadamard_block)
-    if granularity not in ("tensor", "row"):
-        raise ValueError(f"granularity must be 'tensor' or 'row', got {granularity!r}")
-    if amax is not None and granularity != "tensor":
-        raise ValueError("amax: per-tensor quantization only")
-    scale = tensor_or_row_scale(x, fmt, granularity, amax)
-    values = round_for_cast(x / scale, fmt).to(container_dtype(fmt))
-    scale = scale.reshape(-1, 1) if granularity == "row" else scale.reshape(())
-    return Operand(values.contiguous(), scale)  # x.t() would leave a transposed layout
-
-
-def round_for_cast(y: torch.Tensor, fmt) -> torch.Tensor:
-    """fp32 ``y`` made ready for the cast to ``fmt``'s container: rounded onto the grid (formats.round_to_grid), or
-    on CUDA for E4M3 / E5M2 only clamped, since there the cast itself rounds to nearest even (as the kernels
-    do): the same codes from one cheap element-wise op. Compiled, round_to_grid's bit arithmetic
-    made Inductor's weight casts compute-bound (about a third of the bandwidth in a 7B step profile)."""
-    if y.is_cuda and fmt in (E4M3, E5M2):
-        return y.clamp(-fmt.max, fmt.max)
-    return round_to_grid(y, fmt)
 
 
 def use_kernels(x: torch.Tensor) -> bool:
@@ -78,120 +78,159 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     return finite_absmax(x.float())
 
 
-def _check_history(history, amax, granularity: str, hadamard_block=None) -> None:
-    if history is not None and (amax is not None or granularity != "tensor" or hadamard_block):
-        raise ValueError("history (delayed scaling): per-tensor scaling without amax or a Hadamard block only")
+# ---- the dispatcher ------------------------------------------------------------------------------------------
 
+def quantize(x: torch.Tensor, spec: QuantSpec, amax: torch.Tensor | None = None, history=None) -> Operand:
+    """x's rows quantized as ``spec`` says (module docstring), by the Triton kernels for CUDA tensors in eager
+    mode, by the reference otherwise.
 
-def quantize_operand(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block: int | None = None,
-                     pad_to: int = 16, amax: torch.Tensor | None = None, history=None) -> Operand:
-    """Quantize the rows of 2-D ``x`` (any strides: pass ``t.t()`` to quantize columns, output transposed).
-
-    Columns are zero-padded to a multiple of ``pad_to`` and of the Hadamard block (zeros change no GEMM result).
-    ``amax``: per tensor, x's finite absmax (tensor_amax) when already known; the result is the same.
-    ``history`` (nn.delayed.AmaxHistory): per tensor, delayed scaling: the scale from the larger of the history's
-    absmax and x's own (nothing saturates), and x's absmax recorded there.
-    """
+    ``amax``: the absmax the scales come from, already known, so not taken again: per tensor x's finite absmax
+    (0-dim fp32, tensor_amax), per row each row's as a keep="col_max" pass over x.t() left it. ``history``: the
+    operand's nn.delayed.AmaxHistory, used by a spec with scaling="delayed" only (not with ``amax``)."""
     if x.dim() != 2:
         raise ValueError(f"expected a 2-D tensor, got shape {tuple(x.shape)}")
-    _check_history(history, amax, granularity, hadamard_block)
-    if amax is not None and (granularity != "tensor" or hadamard_block):
-        raise ValueError("amax: per-tensor scaling without a Hadamard block only")
-    if amax is not None and (amax.numel() != 1 or amax.dtype != torch.float32 or amax.device != x.device):
-        raise ValueError(f"amax must be one fp32 value on {x.device}, got {tuple(amax.shape)} {amax.dtype} "
-                         f"on {amax.device}")
-    cols = padded(x.shape[1], math.lcm(pad_to, hadamard_block or 1))
-    if use_kernels(x) and granularity == "tensor" and not hadamard_block:  # rows of x, or columns of x.t()
-        from ..kernels.linear_quant import quantize_tensor_rows_cols
-        if not x.is_contiguous() and x.t().is_contiguous():  # x.t(): read along its contiguous dimension
-            return Operand(*quantize_tensor_rows_cols(x.t(), None, fmt, None, cols, amax, history)[1])
-        return Operand(*quantize_tensor_rows_cols(x, fmt, None, cols, None, amax, history)[0])
+    history = _check(x, spec, amax, history)
+    block = pick_block(x.shape[1], spec.hadamard_block) if spec.hadamard_block else None
+    cols = padded(x.shape[1], math.lcm(spec.pad_to, block or 1))
     if use_kernels(x):
-        from ..kernels.linear_quant import quantize_rows
-        values, scale = quantize_rows(x, fmt, granularity, hadamard_block, cols)
-        return Operand(values, scale)
+        return _quantize_kernel(x, spec, block, cols, amax, history)
+    if spec.granularity == "row":
+        op = quantize_operand_ref(x, spec.fmt, "row", block, cols, row_max=amax)
+        if spec.keep == "amax":
+            op.amax = finite_absmax(x.float())
+        return op
     if history is not None:
         amax = history.take_ref(x)
-    return quantize_operand_ref(x, fmt, granularity, hadamard_block, cols, amax)
+    elif spec.keep == "amax" and amax is None:  # taken once: a later copy of x.t() gets the same scale
+        amax = finite_absmax(x.float())
+    op = quantize_operand_ref(x, spec.fmt, "tensor", block, cols, amax)
+    if spec.keep == "amax":
+        op.amax = amax
+    return op
 
 
-def quantize_operand_and_transpose(x: torch.Tensor, row_fmt, col_fmt, pad_to: int = 16,
-                                   granularity: str = "row", history=None) -> tuple[Operand, Operand]:
-    """quantize_operand(x, row_fmt) and quantize_operand(x.t(), col_fmt): the same two operands, on CUDA in two
-    passes over x instead of three. Per row: the row pass leaves the column maxima for a one-pass column
-    quantizer (kernels.linear_quant.quantize_rows_and_cols); per tensor: the absmax, then one pass writing both
-    copies (quantize_tensor_rows_cols); with ``history`` (delayed scaling, quantize_operand) that one pass alone."""
+def quantize_pair(x: torch.Tensor, rows: QuantSpec, cols: QuantSpec, history=None) -> tuple[Operand, Operand]:
+    """quantize(x, rows) and quantize(x.t(), cols), one scaling for both (one history record), on CUDA in two
+    passes over x instead of three: per row the row pass leaves the column maxima for a one-pass column quantizer
+    (kernels.linear_quant.quantize_rows_and_cols); per tensor the absmax, then one pass writing both copies
+    (quantize_tensor_rows_cols), with a history (delayed scaling) that one pass alone."""
     if x.dim() != 2:
         raise ValueError(f"expected a 2-D tensor, got shape {tuple(x.shape)}")
-    _check_history(history, None, granularity)
-    row_cols, col_cols = padded(x.shape[1], pad_to), padded(x.shape[0], pad_to)
+    if (rows.granularity, rows.scaling) != (cols.granularity, cols.scaling) or any(
+            s.hadamard_block or s.keep for s in (rows, cols)):
+        raise ValueError(f"quantize_pair: one granularity and scaling for both copies, without a Hadamard block or "
+                         f"keep; got {rows} and {cols}")
+    history = _check(x, rows, None, history)
+    row_cols, col_cols = padded(x.shape[1], rows.pad_to), padded(x.shape[0], cols.pad_to)
     if use_kernels(x) and x.is_contiguous():
         from ..kernels import linear_quant as lq
-        if granularity == "tensor":
-            rows, cols = lq.quantize_tensor_rows_cols(x, row_fmt, col_fmt, row_cols, col_cols, history=history)
+        if rows.granularity == "tensor":
+            r, c = lq.quantize_tensor_rows_cols(x, rows.fmt, cols.fmt, row_cols, col_cols, history=history)
         else:
-            rows, cols = lq.quantize_rows_and_cols(x, get_format(row_fmt), get_format(col_fmt), row_cols, col_cols)
-        return Operand(*rows), Operand(*cols)
+            r, c = lq.quantize_rows_and_cols(x, get_format(rows.fmt), get_format(cols.fmt), row_cols, col_cols)
+        return Operand(*r), Operand(*c)
     amax = history.take_ref(x) if history is not None else None  # once for both copies
-    if granularity == "tensor" and get_format(row_fmt) is get_format(col_fmt):
+    fmt = get_format(rows.fmt)
+    if rows.granularity == "tensor" and fmt is get_format(cols.fmt):
         # one scale and one grid: xᵀ's codes are x's, transposed; rounded once (what Inductor compiles: one
         # reduction, then one pass writing both copies, as torchao's transposed FP8 copy)
-        fmt = get_format(row_fmt)
         x32 = x.float()
         scale = tensor_or_row_scale(x32, fmt, "tensor", amax)
         q = round_for_cast(x32 / scale, fmt)
         dtype = container_dtype(fmt)
         return (Operand(F.pad(q, (0, row_cols - x.shape[1])).to(dtype), scale),
                 Operand(F.pad(q.t(), (0, col_cols - x.shape[0])).to(dtype).contiguous(), scale))
-    return (quantize_operand(x, row_fmt, granularity, None, pad_to, amax),
-            quantize_operand(x.t(), col_fmt, granularity, None, pad_to, amax))
+    return quantize(x, rows, amax), quantize(x.t(), cols, amax)
 
 
-def quantize_operand_keep_col_max(x: torch.Tensor, fmt, pad_to: int = 16) -> tuple[Operand, torch.Tensor | None]:
-    """quantize_operand(x, fmt) per row, and on CUDA each column's absmax too (None on the CPU): what
-    quantize_transpose_from_max needs to quantize x's columns later in one pass (a weight: rows in the forward,
-    columns in the backward)."""
-    if not (use_kernels(x) and x.is_contiguous() and x.dim() == 2):
-        return quantize_operand(x, fmt, "row", None, pad_to), None
-    from ..kernels.linear_quant import quantize_rows
-    col_max = torch.zeros(x.shape[1], device=x.device, dtype=torch.int32)
-    values, scale = quantize_rows(x, get_format(fmt), "row", None, padded(x.shape[1], pad_to), col_max=col_max)
-    return Operand(values, scale), col_max
+def _check(x: torch.Tensor, spec: QuantSpec, amax, history):
+    """The history quantize uses (None for current scaling), after checking the arguments fit the spec."""
+    if spec.granularity not in ("row", "tensor"):
+        raise ValueError(f"granularity must be 'tensor' or 'row', got {spec.granularity!r}")
+    if spec.scaling != "delayed":
+        history = None
+    elif history is not None and (amax is not None or spec.granularity != "tensor" or spec.hadamard_block):
+        raise ValueError("history (delayed scaling): per-tensor scaling without amax or a Hadamard block only")
+    if amax is not None:
+        if spec.granularity == "tensor" and (amax.numel() != 1 or amax.dtype != torch.float32
+                                             or amax.device != x.device):
+            raise ValueError(f"amax must be one fp32 value on {x.device}, got {tuple(amax.shape)} {amax.dtype} "
+                             f"on {amax.device}")
+        if spec.granularity == "row" and (amax.shape != (x.shape[0],) or amax.dtype != torch.int32):
+            raise ValueError(f"amax per row: one int32 (fp32 bits) per row of x, got {tuple(amax.shape)} "
+                             f"{amax.dtype}")
+        if spec.hadamard_block:
+            raise ValueError("amax: not with a Hadamard block (the maxima are of the mixed values)")
+    return history
 
 
-def quantize_operand_keep_tensor_max(x: torch.Tensor, fmt, pad_to: int = 16) -> tuple[Operand, torch.Tensor]:
-    """quantize_operand(x, fmt, "row"), and x's finite absmax (0-dim fp32), what a per-tensor copy of x (or of
-    x.t()) needs as ``amax``. On CUDA the row kernel's first pass takes it on the way (no pass of its own);
-    elsewhere tensor_amax does."""
-    if not (use_kernels(x) and x.dim() == 2):
-        return quantize_operand(x, fmt, "row", None, pad_to), tensor_amax(x)
-    from ..kernels.linear_quant import quantize_rows
-    bits = torch.zeros((), device=x.device, dtype=torch.int32)  # +0.0
-    values, scale = quantize_rows(x, get_format(fmt), "row", None, padded(x.shape[1], pad_to), tensor_max=bits)
-    return Operand(values, scale), bits.view(torch.float32)
+def _quantize_kernel(x, spec: QuantSpec, block, cols, amax, history) -> Operand:
+    """quantize's Triton backend (CUDA, eager)."""
+    from ..kernels import linear_quant as lq
+    keep = spec.keep
+    if spec.granularity == "tensor":
+        if block:
+            raise NotImplementedError("per-tensor scaling with a Hadamard transform: use granularity='row'")
+        used = None
+        if keep == "amax":
+            if history is not None:  # the absmax the scale came from, max(history, own), from the same pass
+                used = torch.empty((), device=x.device, dtype=torch.float32)
+            elif amax is None:  # taken once: a later copy of x.t() gets the same scale
+                amax = lq.finite_absmax(x)
+        if not x.is_contiguous() and x.t().is_contiguous():  # x.t(): read along its contiguous dimension
+            out = lq.quantize_tensor_rows_cols(x.t(), None, spec.fmt, None, cols, amax, history, used)[1]
+        else:
+            out = lq.quantize_tensor_rows_cols(x, spec.fmt, None, cols, None, amax, history, used)[0]
+        return Operand(*out, (used if history is not None else amax) if keep == "amax" else None)
+    fmt = get_format(spec.fmt)
+    if amax is not None:  # the rows' maxima, left by a keep="col_max" pass over x.t(): one pass
+        return Operand(*lq.quantize_rows(x, fmt, "row", None, cols, col_max=amax, from_max=True))
+    kept = None
+    if keep == "col_max" and x.is_contiguous():
+        kept = torch.zeros(x.shape[1], device=x.device, dtype=torch.int32)  # |x| bits: 0 is +0.0
+        return Operand(*lq.quantize_rows(x, fmt, "row", block, cols, col_max=kept), kept)
+    if keep == "amax":  # the first pass takes x's absmax on the way (no pass of its own)
+        kept = torch.zeros((), device=x.device, dtype=torch.int32)  # +0.0
+        values, scale = lq.quantize_rows(x, fmt, "row", block, cols, tensor_max=kept)
+        return Operand(values, scale, kept.view(torch.float32))
+    return Operand(*lq.quantize_rows(x, fmt, "row", block, cols))
 
 
-def quantize_operand_delayed_keep_amax(x: torch.Tensor, fmt, history, pad_to: int = 16) -> tuple[Operand, torch.Tensor]:
-    """quantize_operand(x, fmt, "tensor", history=history), and the absmax its scale came from (0-dim fp32,
-    max(history, x's own)): a later copy of x.t() given it as ``amax`` has the same scale (a weight: rows in the
-    forward, columns in the backward, with no absmax pass of their own)."""
-    if x.dim() != 2:
-        raise ValueError(f"expected a 2-D tensor, got shape {tuple(x.shape)}")
-    cols = padded(x.shape[1], pad_to)
-    if use_kernels(x):
-        from ..kernels.linear_quant import quantize_tensor_rows_cols
-        used = torch.empty((), device=x.device, dtype=torch.float32)
-        rows = quantize_tensor_rows_cols(x, fmt, None, cols, None, history=history, used_amax=used)[0]
-        return Operand(*rows), used
-    amax = history.take_ref(x)
-    return quantize_operand_ref(x, fmt, "tensor", None, cols, amax), amax
+# ---- the reference backend ----------------------------------------------------------------------------------
+
+def quantize_operand_ref(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block: int | None = None,
+                         cols: int | None = None, amax: torch.Tensor | None = None,
+                         row_max: torch.Tensor | None = None) -> Operand:
+    """The reference backend: zero-pad the columns to ``cols``, a block Hadamard along them with exactly
+    ``hadamard_block``, absmax-quantize. ``amax`` (per tensor): x's finite absmax, already known, so not taken
+    again; ``row_max`` (per row): each row's, as fp32 bits in int32."""
+    fmt = get_format(fmt)
+    x = x.float()
+    if cols is not None and cols != x.shape[1]:
+        x = F.pad(x, (0, cols - x.shape[1]))
+    if hadamard_block:
+        x = block_hadamard(x, hadamard_block)
+    if granularity not in ("tensor", "row"):
+        raise ValueError(f"granularity must be 'tensor' or 'row', got {granularity!r}")
+    if amax is not None and granularity != "tensor":
+        raise ValueError("amax: per-tensor quantization only")
+    if row_max is not None:
+        scale = absmax_scale(row_max.view(torch.float32).reshape(-1, 1), fmt)
+    else:
+        scale = tensor_or_row_scale(x, fmt, granularity, amax)
+    values = round_for_cast(x / scale, fmt).to(container_dtype(fmt))
+    scale = scale.reshape(-1, 1) if granularity == "row" else scale.reshape(())
+    return Operand(values.contiguous(), scale)  # x.t() would leave a transposed layout
 
 
-def quantize_transpose_from_max(x: torch.Tensor, fmt, col_max: torch.Tensor, pad_to: int = 16) -> Operand:
-    """quantize_operand(x.t(), fmt) per row, in one pass with the column maxima quantize_operand_keep_col_max
-    left. x must not have changed since: autograd's version check guards a saved weight."""
-    from ..kernels.linear_quant import quantize_cols_from_max
-    return Operand(*quantize_cols_from_max(x, get_format(fmt), col_max, padded(x.shape[0], pad_to)))
+def round_for_cast(y: torch.Tensor, fmt) -> torch.Tensor:
+    """fp32 ``y`` made ready for the cast to ``fmt``'s container: rounded onto the grid (formats.round_to_grid), or
+    on CUDA for E4M3 / E5M2 only clamped, since there the cast itself rounds to nearest even (as the kernels
+    do): the same codes from one cheap element-wise op. Compiled, round_to_grid's bit arithmetic
+    made Inductor's weight casts compute-bound (about a third of the bandwidth in a 7B step profile)."""
+    if y.is_cuda and fmt in (E4M3, E5M2):
+        return y.clamp(-fmt.max, fmt.max)
+    return round_to_grid(y, fmt)
 
 
 # ---- the GEMM ------------------------------------------------------------------------------------------------

@@ -10,10 +10,55 @@ A scale can only be factored out of a GEMM along a dimension that is *not* contr
 quantized along its contraction dimension (one scale per row of the operand as the GEMM reads it), or per
 tensor. That is why x is quantized twice: per token for the forward, per in-feature (over tokens) for dW; the
 second copy is what the layer saves for backward, in FP8 (1 byte per element instead of bf16's 2).
+
+A Recipe's fields say this per format and scaling; ``Recipe.specs`` turns them into one QuantSpec per operand of
+each GEMM (what nn/functional.py quantizes each operand with). The FP4 paper's knobs (DGE, OCC) are not part of
+an operand's quantization: nn/functional.py applies them around the GEMMs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+from .operands import QuantSpec
+
+
+@dataclass(frozen=True)
+class OperandSpecs:
+    """Which QuantSpec each operand of the three GEMMs gets (Recipe.specs):
+
+        forward      y  = x  Wᵀ     x, w
+        grad input   dx = dy W      dy, wt (W read as Wᵀ)
+        grad weight  dW = dyᵀ x     dy (read as dyᵀ), xt (the copy of x the forward saves)
+
+    ``w_kept`` / ``x_kept``: the forward's W / x where a backward follows and the recipe has them keep what Wᵀ
+    / xᵀ then take their scales from (QuantSpec.keep); None where it keeps nothing."""
+    x: QuantSpec
+    w: QuantSpec
+    dy: QuantSpec
+    wt: QuantSpec
+    xt: QuantSpec
+    w_kept: QuantSpec | None = None
+    x_kept: QuantSpec | None = None
+
+
+def _operand_specs(r: "Recipe") -> OperandSpecs:
+    bwd = r.backward_granularity
+    scaling = "delayed" if r.scaling == "delayed" else "current"
+    back = {fmt: QuantSpec(fmt, bwd, scaling if bwd == "tensor" else "current") for fmt in (r.grad_fmt, r.bwd_fmt)}
+    w_kept = x_kept = None
+    if r.fwd_fmt in ("int4_sym", "int4"):  # per row (whatever ``granularity`` says), after the block Hadamard
+        x = w = QuantSpec(r.fwd_fmt, "row", hadamard_block=r.hadamard_block)
+    elif r.fwd_fmt == "e2m1":  # never delayed: fp4_fast's x and W keep their absmax from the row pass instead
+        x = w = QuantSpec(r.fwd_fmt, r.granularity)
+        x_kept = w_kept = QuantSpec(r.fwd_fmt, r.granularity, keep="amax")
+    else:
+        fwd_scaling = scaling if r.granularity == "tensor" else "current"
+        x = QuantSpec(r.fwd_fmt, r.granularity, fwd_scaling)
+        # W's history records once a step: by w_kept in the forward that saves xᵀ, else by the backward's Wᵀ
+        w = QuantSpec(r.fwd_fmt, r.granularity)
+        w_kept = QuantSpec(r.fwd_fmt, r.granularity, fwd_scaling,
+                           keep="col_max" if r.granularity == "row" else "amax")
+    return OperandSpecs(x, w, back[r.grad_fmt], back[r.bwd_fmt], back[r.bwd_fmt], w_kept, x_kept)
 
 
 @dataclass(frozen=True)
@@ -52,8 +97,10 @@ class Recipe:
         self._register()
 
     def _register(self):
-        """``key``: the recipe as a string, what the compiled path's custom ops take (nn/compiled.py)."""
+        """``key``: the recipe as a string, what the compiled path's custom ops take (nn/compiled.py); ``specs``:
+        each operand's QuantSpec (OperandSpecs), made here once rather than on every call."""
         object.__setattr__(self, "key", repr(self))
+        object.__setattr__(self, "specs", _operand_specs(self))
         BY_KEY.setdefault(self.key, self)
 
     @property
