@@ -1,0 +1,307 @@
+"""torchtitan's own trainer run side by side: its AdamW, its float8 + AdamW, and lpoptim (converter + lpoptim.AdamW).
+
+    pip install --no-deps lab/wheels/*.whl    # torchtitan 0.3.0 and what it imports, torchao 0.18 (for float8)
+    python benchmarks/torchtitan_bench.py --nproc 2 --out results/torchtitan_llama3_8b_2gpu.json
+
+Each run (--variants) is its own ``torchrun`` (fresh processes and caches) of torchtitan's ``Trainer`` with the
+config of torchtitan's ``llama3_8b`` (AdamW lr 3e-4, betas (0.9, 0.95), weight decay 0.1, gradient clipping at
+1.0, chunked cross-entropy, FSDP2 over all GPUs, bf16 compute with fp32 gradient reduction, selective
+activation checkpointing, CUDA graphs for forward and backward), changed only in what follows:
+
+- model: torchtitan's llama3 ``--flavor`` (default 8B; ``--layers N`` keeps its first N blocks, for a quick
+  check), batch 1 x ``--seq-len`` 2048 per GPU, each block compiled (``compile.enable``, torchtitan's
+  components: model and loss);
+- data: synthetic tokens (a pool of 8 fixed batches per rank, cycled, so the loss falls) and a stand-in
+  tokenizer: nothing is downloaded. torchtitan imports ``datasets`` for its HF dataloader, unused here; where
+  it is not installed a stand-in module takes its place;
+- no checkpoints, profiler, tensorboard or validation.
+
+Variants:
+- ``adamw``: torchtitan as above.
+- ``float8``: plus torchtitan's Float8LinearConverter (torchao, rowwise recipe, the LM head kept in bf16, as in
+  torchtitan's llama3_405b config).
+- ``lpoptim``: lpoptim.integrations.torchtitan.use_lpoptim: LpoptimConverter (fp8_delayed linears, the LM head
+  kept; FP8 saved activations instead of activation checkpointing) and lpoptim.AdamW (FP8 states); fp32 masters.
+- ``lpoptim_bf16``: ``lpoptim`` with torchtitan's ``training.dtype=bfloat16`` (bf16 parameters and gradients, no
+  fp32 copy) and lpoptim's bf16_stochastic_round.
+- ``lpoptim_noact``, ``lpoptim_bf16_noact``: without FP8 activations, torchtitan's activation checkpointing kept.
+
+Timing: every train step between device synchronizations (the slowest rank's time); tokens/s per GPU is the
+tokens of one GPU's batch over the median step after ``--warmup`` steps (compilation and CUDA-graph capture
+happen there). Peak memory: torch.cuda.max_memory_allocated and max_memory_reserved over the whole run (model,
+gradients, optimizer states, activations, communication buffers), the maximum over ranks. Ratios are against
+``--baseline`` (float8) from the same invocation. The JSON records versions and the device.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off, before any process group exists
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = ("float8", "adamw", "lpoptim", "lpoptim_bf16")  # lpoptim ones also with a "_noact" suffix
+POOL = 8  # synthetic batches per rank
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--baseline", default="float8")
+    p.add_argument("--nproc", type=int, default=2, help="GPUs (torchrun --nproc_per_node)")
+    p.add_argument("--flavor", default="8B", help="torchtitan llama3 flavor (8B, 1B, 3B, debugmodel, ...)")
+    p.add_argument("--layers", type=int, default=None, help="keep the first N blocks (quick checks)")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=1, help="local batch size (per GPU)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=15, help="timed steps after the warmup")
+    p.add_argument("--ac", choices=("selective", "full", "none"), default="selective",
+                   help="activation checkpointing of the torchtitan runs (lpoptim's use FP8 activations)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="training.disable_cuda_graphs for every run")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--spmd-backend", default=None, help="parallelism.spmd_backend (default: torchtitan's)")
+    p.add_argument("--lp-recipe", default="fp8_delayed")
+    p.add_argument("--lp-state-bits", type=int, default=8)
+    p.add_argument("--lp-recompute", action="store_true", help="FP8 activations with recompute (FP8 full AC)")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--variant", help=argparse.SUPPRESS)  # worker mode (under torchrun)
+    p.add_argument("--part", type=Path, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def stand_in_datasets():
+    """torchtitan.trainer imports ``datasets`` (for its HF text dataloader) at module level; this benchmark feeds
+    synthetic tokens, so where the package is missing an empty stand-in lets the import succeed."""
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        def unavailable(*a, **k):
+            raise RuntimeError("the `datasets` package is not installed (stand-in from benchmarks/torchtitan_bench.py)")
+        d, dd = types.ModuleType("datasets"), types.ModuleType("datasets.distributed")
+        d.Dataset, d.load_dataset, dd.split_dataset_by_node, d.distributed = object, unavailable, unavailable, dd
+        sys.modules.update({"datasets": d, "datasets.distributed": dd})
+
+
+def synthetic_components(vocab: int):
+    """A stand-in tokenizer and a dataloader of synthetic tokens, as torchtitan Configurables."""
+    from dataclasses import dataclass
+
+    import torch
+    from torchtitan.components.dataloader import BaseDataLoader
+    from torchtitan.components.tokenizer import BaseTokenizer
+
+    class SyntheticTokenizer(BaseTokenizer):
+        @dataclass(kw_only=True, slots=True)
+        class Config(BaseTokenizer.Config):
+            vocab_size: int = vocab
+
+        def __init__(self, config, *, tokenizer_path=None):
+            super().__init__()
+            self.vocab_size = config.vocab_size
+
+        def encode(self, text, *a, **k):
+            return [min(ord(c), self.vocab_size - 1) for c in text]
+
+        def decode(self, ids, *a, **k):
+            return "".join(chr(i) for i in ids)
+
+        def get_vocab_size(self):
+            return self.vocab_size
+
+    class SyntheticDataLoader(BaseDataLoader):
+        @dataclass(kw_only=True, slots=True)
+        class Config(BaseDataLoader.Config):
+            vocab_size: int = vocab
+
+        def __init__(self, config, *, dp_rank, local_batch_size, seq_len, **_):
+            g = torch.Generator().manual_seed(1234 + dp_rank)
+            self.pool = torch.randint(0, config.vocab_size, (POOL, local_batch_size, seq_len + 1), generator=g)
+            self.positions = torch.arange(seq_len).expand(local_batch_size, seq_len).contiguous()
+            self.i = 0
+
+        def __iter__(self):
+            while True:
+                t = self.pool[self.i % POOL]
+                self.i += 1
+                yield {"input": t[:, :-1].clone(), "positions": self.positions.clone()}, t[:, 1:].clone()
+
+        def state_dict(self):
+            return {"i": self.i}
+
+        def load_state_dict(self, sd):
+            self.i = sd["i"]
+
+    return SyntheticTokenizer.Config(), SyntheticDataLoader.Config()
+
+
+def make_config(args, variant: str):
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+    from torchtitan.models.common.config_utils import decoder_vocab_size
+    from torchtitan.models.llama3 import model_registry
+    from torchtitan.models.llama3.config_registry import llama3_8b
+
+    config = llama3_8b()
+    compile_on = not args.no_compile
+    config.compile = CompileConfig(enable=compile_on)
+    converters = None
+    if variant == "float8":
+        from torchtitan.components.quantization import Float8LinearConverter
+        converters = [Float8LinearConverter.Config(filter_fqns=["lm_head"], model_compile_enabled=compile_on)]
+    config.model_spec = model_registry(args.flavor, converters=converters)
+    if args.layers:
+        config.model_spec.model.layers = config.model_spec.model.layers[:args.layers]
+    vocab = decoder_vocab_size(config.model_spec)
+    config.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=vocab))
+    config.tokenizer, config.dataloader = synthetic_components(vocab)
+    config.training.local_batch_size = args.batch
+    config.training.seq_len = args.seq_len
+    config.training.steps = args.warmup + args.steps
+    config.training.disable_cuda_graphs = args.no_cuda_graphs
+    if args.spmd_backend:
+        config.parallelism.spmd_backend = args.spmd_backend
+    config.activation_checkpoint = {"selective": SelectiveAC.Config(), "full": FullAC.Config(), "none": None}[args.ac]
+    config.profiler.enable_profiling = False
+    config.metrics.enable_tensorboard = False
+    config.checkpoint.enable = False
+    config.validator.enable = False
+    config.dump_folder = tempfile.mkdtemp(prefix="tt_bench_")
+    if variant.startswith("lpoptim"):
+        sys.path.insert(0, str(ROOT))
+        from lpoptim.integrations.torchtitan import use_lpoptim
+        base, bf16, act = variant.removesuffix("_noact"), "_bf16" in variant, not variant.endswith("_noact")
+        if base not in VARIANTS:
+            raise SystemExit(f"unknown variant {variant!r}")
+        if bf16:
+            config.training.dtype = "bfloat16"
+        use_lpoptim(config, recipe=args.lp_recipe, activations=act,
+                    activation_options={"recompute": args.lp_recompute} if act else None,
+                    state_bits=args.lp_state_bits, bf16_stochastic_round=bf16)
+    elif variant not in VARIANTS:
+        raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    return config
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+
+    stand_in_datasets()
+    from torchtitan.tools.logging import init_logger
+    init_logger()
+    config = make_config(args, args.variant)
+    trainer = config.build()
+    times, losses = [], []
+    train_step, fwd_bwd = trainer.train_step, trainer.forward_backward_step
+
+    def forward_backward_step(**kw):
+        loss = fwd_bwd(**kw)
+        losses.append(loss.detach().clone())  # a CUDA graph's output is overwritten by its next replay
+        return loss
+
+    def timed_train_step(data_iterator):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        train_step(data_iterator)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+
+    trainer.forward_backward_step, trainer.train_step = forward_backward_step, timed_train_step
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    mine = {"times": times, "losses": [float(x) for x in losses],
+            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    if dist.get_rank() == 0:
+        step = [max(r["times"][i] for r in ranks) for i in range(len(times))]
+        timed = step[args.warmup:]
+        tokens = args.batch * args.seq_len
+        nparams = sum(p.numel() for m in trainer.model_parts for p in m.parameters())
+        out = {"variant": args.variant,
+               "tokens_per_s_per_gpu": tokens / statistics.median(timed),
+               "step_s_median": statistics.median(timed), "step_s_mean": statistics.mean(timed),
+               "step_s": step,
+               "peak_allocated_gib": max(r["peak_allocated_gib"] for r in ranks),
+               "peak_reserved_gib": max(r["peak_reserved_gib"] for r in ranks),
+               "loss_first": ranks[0]["losses"][0], "loss_last": ranks[0]["losses"][-1],
+               "losses_rank0": ranks[0]["losses"], "params": nparams,
+               "optimizers": sorted({type(o).__module__ + "." + type(o).__name__ for o in trainer.optimizers}),
+               "activation_checkpoint": type(config.activation_checkpoint).__qualname__
+               if config.activation_checkpoint is not None else None,
+               "training_dtype": config.training.dtype, "cuda_graphs": not config.training.disable_cuda_graphs,
+               "spmd_backend": config.parallelism.spmd_backend}
+        args.part.write_text(json.dumps(out, indent=2))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def versions():
+    import importlib.metadata as md
+    import torch
+    v = {"torch": torch.__version__, "cuda": torch.version.cuda,
+         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    for pkg in ("torchtitan", "torchao", "triton", "spmd_types"):
+        try:
+            v[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            v[pkg] = None
+    return v
+
+
+def main(argv=None):
+    args = parse(argv)
+    if args.variant:
+        return worker(args)
+    variants = [v for v in args.variants.split(",") if v]
+    results, failed = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for v in variants:
+            part = Path(tmp) / f"{v}.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+                   __file__, "--variant", v, "--part", str(part), *(argv if argv is not None else sys.argv[1:])]
+            print(f"== {v}: {' '.join(cmd)}", flush=True)
+            t0 = time.time()
+            rc = subprocess.run(cmd).returncode
+            if rc == 0 and part.exists():
+                results[v] = json.loads(part.read_text()) | {"wall_s": time.time() - t0}
+                r = results[v]
+                print(f"== {v}: {r['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, peak {r['peak_allocated_gib']:.1f} GiB "
+                      f"allocated ({r['peak_reserved_gib']:.1f} reserved), loss {r['loss_first']:.3f} -> "
+                      f"{r['loss_last']:.3f}", flush=True)
+            else:
+                failed[v] = rc
+                print(f"== {v}: FAILED (exit {rc})", flush=True)
+    base = results.get(args.baseline)
+    if base:
+        for r in results.values():
+            r["vs_baseline"] = {"tokens_per_s": r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"],
+                                "peak_allocated": r["peak_allocated_gib"] / base["peak_allocated_gib"],
+                                "peak_reserved": r["peak_reserved_gib"] / base["peak_reserved_gib"]}
+            print(f"{r['variant']:>13}: {r['vs_baseline']['tokens_per_s']:.3f}x tokens/s, "
+                  f"{r['vs_baseline']['peak_allocated']:.3f}x peak allocated vs {args.baseline}")
+    meta = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                     if k not in ("variant", "part")},
+            "versions": versions(), "gpus": args.nproc, "baseline": args.baseline, "failed": failed,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+        print(f"wrote {args.out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
