@@ -81,11 +81,18 @@ def finite_absmax(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _quantize_tile(t, scale, FMAX: tl.constexpr, IS_INT: tl.constexpr, MAN: tl.constexpr, EMIN: tl.constexpr,
-                   QMIN: tl.constexpr, QMAX: tl.constexpr, NATIVE: tl.constexpr, CONTAINER_E4M3: tl.constexpr,
-                   OUT_DTYPE: tl.constexpr, ON_GPU: tl.constexpr):
+def _quantize_tile(t, scale, FMT: tl.constexpr, OUT_DTYPE: tl.constexpr, ON_GPU: tl.constexpr):
     """A tile divided by its scale (broadcast: a column of row scales, or one) and rounded onto the format's grid
-    exactly as formats.round_to_grid, as fp8 codes of ``OUT_DTYPE``."""
+    exactly as formats.round_to_grid, as fp8 codes of ``OUT_DTYPE``. ``FMT``: the format's constexprs
+    (_format_constexprs)."""
+    FMAX: tl.constexpr = FMT[0]
+    IS_INT: tl.constexpr = FMT[1]
+    MAN: tl.constexpr = FMT[2]
+    EMIN: tl.constexpr = FMT[3]
+    QMIN: tl.constexpr = FMT[4]
+    QMAX: tl.constexpr = FMT[5]
+    NATIVE: tl.constexpr = FMT[6]
+    CONTAINER_E4M3: tl.constexpr = FMT[7]
     if ON_GPU:  # the same quotient without a division per element
         y = div_rn_by(t, scale)
     else:  # the interpreter's FMA may round twice
@@ -99,13 +106,22 @@ def _quantize_tile(t, scale, FMAX: tl.constexpr, IS_INT: tl.constexpr, MAN: tl.c
     return fp8_bits(q, CONTAINER_E4M3).to(OUT_DTYPE, bitcast=True)
 
 
+# what the row kernel does with maxima besides scaling its rows by them (MAXIMA): nothing; also take each column's
+# (atomics); take the rows' from colmax_ptr instead (one pass); also take x's (an atomic)
+_NO_MAXIMA, _COL_MAX, _FROM_MAX, _TENSOR_MAX = (tl.constexpr(i) for i in range(4))
+
+
 @triton.jit
 def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, tmax_ptr, R, C, CP, stride_r, stride_c,
-                       INT: tl.constexpr, FMAX: tl.constexpr, MAN: tl.constexpr, EMIN: tl.constexpr,
-                       QMIN: tl.constexpr, QMAX: tl.constexpr, NATIVE: tl.constexpr, E4M3: tl.constexpr,
-                       HAD: tl.constexpr, INV_SQRT: tl.constexpr, BF16_DOT: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_C: tl.constexpr, COL_MAX: tl.constexpr, SCALE_FROM_MAX: tl.constexpr,
-                       ON_GPU: tl.constexpr, COLS_PER_PROGRAM: tl.constexpr, TENSOR_MAX: tl.constexpr):
+                       FMT: tl.constexpr, HAD: tl.constexpr, INV_SQRT: tl.constexpr, BF16_DOT: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, MAXIMA: tl.constexpr, ON_GPU: tl.constexpr,
+                       COLS_PER_PROGRAM: tl.constexpr):
+    """Rows of x, per row: pass 1 each row's finite absmax (of the Hadamard-mixed values with HAD), pass 2 the
+    codes; ``MAXIMA`` (_NO_MAXIMA, _COL_MAX, _FROM_MAX, _TENSOR_MAX) says what else happens to the maxima."""
+    FMAX: tl.constexpr = FMT[0]
+    COL_MAX: tl.constexpr = MAXIMA == _COL_MAX
+    SCALE_FROM_MAX: tl.constexpr = MAXIMA == _FROM_MAX
+    TENSOR_MAX: tl.constexpr = MAXIMA == _TENSOR_MAX
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     if HAD:
@@ -136,8 +152,7 @@ def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, tmax_ptr, R
             tl.atomic_max(tmax_ptr, tl.max(amax, axis=0).to(tl.int32, bitcast=True))
     for c0 in range(c_begin, c_end, BLOCK_C):
         t = _load_tile(x_ptr, h, rows, c0, R, C, stride_r, stride_c, BLOCK_C, HAD, INV_SQRT, BF16_DOT)
-        q = _quantize_tile(t, scale[:, None], FMAX, INT, MAN, EMIN, QMIN, QMAX, NATIVE, E4M3,
-                           out_ptr.dtype.element_ty, ON_GPU)
+        q = _quantize_tile(t, scale[:, None], FMT, out_ptr.dtype.element_ty, ON_GPU)
         cols = c0 + tl.arange(0, BLOCK_C)
         mask = (rows[:, None] < R) & (cols[None, :] < CP)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * CP + cols[None, :], q, mask=mask)
@@ -172,28 +187,27 @@ TUNING = MappingProxyType({k: MappingProxyType(v) for k, v in {
 
 
 def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block: int | None = None,
-                  cols: int | None = None, col_max: torch.Tensor | None = None,
-                  from_max: bool = False, tensor_max: torch.Tensor | None = None):
+                  cols: int | None = None, col_max: torch.Tensor | None = None, row_max: torch.Tensor | None = None,
+                  tensor_max: torch.Tensor | None = None):
     """Rows of 2-D ``x`` (any strides) -> (values (R, cols) fp8 contiguous, scale fp32 (R, 1) or 0-dim).
 
-    Columns beyond x's are zero (padding for the GEMM). Same result as operands.quantize_operand_ref.
-    ``col_max`` (int32, one per column, zeros): the row pass also leaves each column's finite absmax there (as
-    fp32 bits); with ``from_max`` the rows' absmax is read from it instead (one pass; quantize_rows_and_cols).
-    ``tensor_max`` (one int32, zero): per row without a Hadamard, the first pass also leaves x's finite absmax
-    there as fp32 bits, what a per-tensor copy of x needs (``.view(torch.float32)``), without a pass of its own.
-    (With a Hadamard the rows' maxima are of the mixed values; taking x's own alongside slowed the kernel by more
-    than a separate absmax pass costs, measured on an H100.)
+    Columns beyond x's are zero (padding for the GEMM). Same result as operands.quantize_operand_ref. At most one
+    of these maxima, fp32 bits in int32 on x's device, per row without a Hadamard block: ``col_max`` (one per
+    column, zeros): the row pass also leaves each column's finite absmax there, what quantizing x.t() takes as
+    ``row_max`` (one per row): the rows' finite absmax, known, so one pass (quantize_rows_and_cols);
+    ``tensor_max`` (one, zero): the first pass also leaves x's finite absmax there, what a per-tensor copy of x
+    needs (``.view(torch.float32)``), without a pass of its own. (With a Hadamard the rows' maxima are of the
+    mixed values; taking x's own alongside slowed the kernel by more than a separate absmax pass costs, measured
+    on an H100.)
     """
-    if (col_max is not None or from_max) and (granularity != "row" or hadamard_block):
-        raise ValueError("col_max: per-row scales without a Hadamard block only")
-    if from_max and col_max is None:
-        raise ValueError("from_max reads the rows' maxima from col_max: pass it")
-    if tensor_max is not None and (granularity != "row" or from_max or hadamard_block or tensor_max.numel() != 1
-                                   or tensor_max.dtype != torch.int32 or tensor_max.device != x.device):
-        raise ValueError("tensor_max: one int32 (zero) on x's device, with per-row scales, without from_max or a "
-                         "Hadamard block")
-    if col_max is not None and (col_max.dtype != torch.int32 or col_max.device != x.device):
-        raise ValueError("col_max: int32 on x's device")
+    if col_max is not None or row_max is not None or tensor_max is not None:
+        given = [(n, t) for n, t in (("col_max", col_max), ("row_max", row_max), ("tensor_max", tensor_max))
+                 if t is not None]
+        name, t = given[0]
+        if (len(given) > 1 or granularity != "row" or hadamard_block or t.dtype != torch.int32
+                or t.device != x.device or (name == "tensor_max" and t.numel() != 1)):
+            raise ValueError(f"{name}: one of col_max, row_max and tensor_max, int32 on x's device (tensor_max: one "
+                             "value), with per-row scales without a Hadamard block")
     fmt = get_format(fmt)
     R, C = x.shape
     cols = C if cols is None else cols
@@ -214,15 +228,15 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
     had = bool(hadamard_block)
     width = next_power_of_2(max(cols, 16))
     whole = TUNING["whole_rows"]
-    if (whole["enabled"] and not (had or from_max) and col_max is None and x.stride(1) == 1
+    if (whole["enabled"] and not had and col_max is None and row_max is None and x.stride(1) == 1
             and width <= whole["max_width"]):
         rows = 1 << max(0, (whole["elems"] // width).bit_length() - 1)  # rows held whole: a power of two
         launcher(_quant_whole_rows_kernel)(
             (cdiv(R, rows),), x, out, scale, tensor_max if tensor_max is not None else scale, R, C, cols, x.stride(0),
-            **_grid_args(fmt, "", out), ROWS=rows, WIDTH=width, ON_GPU=not interpreted(),
+            FMT=_format_constexprs(fmt), ROWS=rows, WIDTH=width, ON_GPU=not interpreted(),
             TENSOR_MAX=tensor_max is not None, num_warps=whole["num_warps"])
         return out, scale
-    tune = TUNING["hadamard" if had else "from_max" if from_max else "rows"]
+    tune = TUNING["hadamard" if had else "rows" if row_max is None else "from_max"]
     if had and (hadamard_block > 128 or x.dtype != torch.bfloat16):  # swept for bf16 and 128 only: the matrix
         tune = dict(block_r=32, num_warps=4)  # stays live in the loop, so larger ones keep the smaller tile
     block_r = tune["block_r"]
@@ -230,28 +244,28 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
     h = hadamard_pm1(hadamard_block, x.device) if had else scale  # dummy pointer when unused
     cols_per_program = 4 * block_c
     # at least one column program: the one with program_id(1) == 0 writes the scales, even for zero columns
-    grid = (cdiv(R, block_r), max(1, cdiv(cols, cols_per_program)) if from_max else 1)
+    grid = (cdiv(R, block_r), 1 if row_max is None else max(1, cdiv(cols, cols_per_program)))
+    maxima = col_max if col_max is not None else row_max if row_max is not None else scale  # (a dummy pointer)
     launcher(_quant_rows_kernel)(
-        grid, x, out, scale, h, col_max if col_max is not None else scale, tensor_max if tensor_max is not None else scale,
+        grid, x, out, scale, h, maxima, tensor_max if tensor_max is not None else scale,
         R, C, cols, x.stride(0), x.stride(1),
-        **_grid_args(fmt, "", out), HAD=had, INV_SQRT=inv_sqrt(hadamard_block) if had else 1.0,
+        FMT=_format_constexprs(fmt), HAD=had, INV_SQRT=inv_sqrt(hadamard_block) if had else 1.0,
         # the interpreter's bf16 tl.dot returns garbage (triton 3.9); its fp32 'ieee' dot computes the same sums
         BF16_DOT=x.dtype == torch.bfloat16 and not interpreted(), BLOCK_R=block_r, BLOCK_C=block_c,
-        COL_MAX=col_max is not None and not from_max, SCALE_FROM_MAX=from_max, ON_GPU=not interpreted(),
-        COLS_PER_PROGRAM=cols_per_program, TENSOR_MAX=tensor_max is not None,
-        num_warps=tune["num_warps"],
+        MAXIMA=(_COL_MAX if col_max is not None else _FROM_MAX if row_max is not None else
+                _TENSOR_MAX if tensor_max is not None else _NO_MAXIMA).value,
+        ON_GPU=not interpreted(), COLS_PER_PROGRAM=cols_per_program, num_warps=tune["num_warps"],
     )
     return out, scale
 
 
 @triton.jit
-def _quant_whole_rows_kernel(x_ptr, out_ptr, scale_ptr, tmax_ptr, R, C, CP, stride_r,
-                             INT: tl.constexpr, FMAX: tl.constexpr, MAN: tl.constexpr, EMIN: tl.constexpr,
-                             QMIN: tl.constexpr, QMAX: tl.constexpr, NATIVE: tl.constexpr, E4M3: tl.constexpr,
+def _quant_whole_rows_kernel(x_ptr, out_ptr, scale_ptr, tmax_ptr, R, C, CP, stride_r, FMT: tl.constexpr,
                              ROWS: tl.constexpr, WIDTH: tl.constexpr, ON_GPU: tl.constexpr,
                              TENSOR_MAX: tl.constexpr):
     """_quant_rows_kernel without a Hadamard, for rows that fit a tile whole (WIDTH, a power of two >= CP): ROWS
     rows per program, read from memory once; each row's absmax, its scale and the codes from registers."""
+    FMAX: tl.constexpr = FMT[0]
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, WIDTH)
     t = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :],
@@ -261,8 +275,7 @@ def _quant_whole_rows_kernel(x_ptr, out_ptr, scale_ptr, tmax_ptr, R, C, CP, stri
     tl.store(scale_ptr + rows, scale, mask=rows < R)
     if TENSOR_MAX:  # x's finite absmax is the largest row's: |x| orders as its bits
         tl.atomic_max(tmax_ptr, tl.max(amax, axis=0).to(tl.int32, bitcast=True))
-    q = _quantize_tile(t, scale[:, None], FMAX, INT, MAN, EMIN, QMIN, QMAX, NATIVE, E4M3, out_ptr.dtype.element_ty,
-                       ON_GPU)
+    q = _quantize_tile(t, scale[:, None], FMT, out_ptr.dtype.element_ty, ON_GPU)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * CP + cols[None, :], q,
              mask=(rows[:, None] < R) & (cols[None, :] < CP))
 
@@ -271,17 +284,11 @@ def _quant_whole_rows_kernel(x_ptr, out_ptr, scale_ptr, tmax_ptr, R, C, CP, stri
 @triton.jit(do_not_specialize=["HIST_OFFSET", "W_SLOT", "Z_SLOT"])
 def _quant_tensor_kernel(x_ptr, amax_ptr, row_ptr, row_scale_ptr, col_ptr, col_scale_ptr, R, C, RP, CP,
                          stride_r, stride_c, hist_ptr, HIST_OFFSET, W_SLOT, Z_SLOT,
-                         ROWS: tl.constexpr, R_FMAX: tl.constexpr, R_INT: tl.constexpr, R_MAN: tl.constexpr,
-                         R_EMIN: tl.constexpr, R_QMIN: tl.constexpr, R_QMAX: tl.constexpr, R_NATIVE: tl.constexpr,
-                         R_E4M3: tl.constexpr,
-                         COLS: tl.constexpr, C_FMAX: tl.constexpr, C_INT: tl.constexpr, C_MAN: tl.constexpr,
-                         C_EMIN: tl.constexpr, C_QMIN: tl.constexpr, C_QMAX: tl.constexpr, C_NATIVE: tl.constexpr,
-                         C_E4M3: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ON_GPU: tl.constexpr,
-                         DELAYED: tl.constexpr, REDO: tl.constexpr, N_SLOTS: tl.constexpr,
+                         ROW_FMT: tl.constexpr, COL_FMT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                         ON_GPU: tl.constexpr, DELAYED: tl.constexpr, REDO: tl.constexpr, N_SLOTS: tl.constexpr,
                          SLOTS_P2: tl.constexpr, STORE_USED: tl.constexpr):
-    """A (BLOCK_R, BLOCK_C) tile of x scaled by one per-tensor scale: written as rows (R, CP) and/or as columns,
-    transposed, (C, RP), zero-padded. The scales (amax / FMAX) are worked out from the finite absmax: x's own at
+    """A (BLOCK_R, BLOCK_C) tile of x scaled by one per-tensor scale: written as rows (R, CP) in ROW_FMT and/or as
+    columns, transposed, (C, RP) in COL_FMT (a format's constexprs, or None: no such copy), zero-padded. The scales (amax / FMAX) are worked out from the finite absmax: x's own at
     ``amax_ptr``, or with DELAYED the largest in x's history ring (nn/delayed.py: N_SLOTS int32 slots from
     ``hist_ptr + HIST_OFFSET``, all but W_SLOT and Z_SLOT), in which case each tile's finite absmax goes into slot
     W_SLOT (an atomic) and the first program zeroes slot Z_SLOT for the next call. REDO, launched after a DELAYED
@@ -292,6 +299,8 @@ def _quant_tensor_kernel(x_ptr, amax_ptr, row_ptr, row_scale_ptr, col_ptr, col_s
     The columns' copy loads the tile again, transposed (from L1/L2: DRAM sees x once), so that each store runs
     along its tile's own dimension 1, as the one-pass column quantizer does. Storing the rows' tile through
     transposed addresses instead gave wrong codes for fp32 input on an H100 (triton 3.6), bf16 right."""
+    ROWS: tl.constexpr = ROW_FMT is not None
+    COLS: tl.constexpr = COL_FMT is not None
     if DELAYED or REDO:
         s = tl.arange(0, SLOTS_P2)
         window = (s < N_SLOTS) & (s != W_SLOT) & (s != Z_SLOT)  # the slot being written and the one being zeroed
@@ -310,12 +319,10 @@ def _quant_tensor_kernel(x_ptr, amax_ptr, row_ptr, row_scale_ptr, col_ptr, col_s
                 cols = (tile % n_c) * BLOCK_C + tl.arange(0, BLOCK_C)
                 if ROWS:
                     _quantize_store(x_ptr, rows, cols, stride_r, stride_c, R, C, row_ptr, CP, row_scale_ptr, own,
-                                    tile == 0, R_FMAX, R_INT, R_MAN, R_EMIN, R_QMIN, R_QMAX, R_NATIVE, R_E4M3, ON_GPU,
-                                    False)
+                                    tile == 0, ROW_FMT, ON_GPU, False)
                 if COLS:
                     _quantize_store(x_ptr, cols, rows, stride_c, stride_r, C, R, col_ptr, RP, col_scale_ptr, own,
-                                    tile == 0, C_FMAX, C_INT, C_MAN, C_EMIN, C_QMIN, C_QMAX, C_NATIVE, C_E4M3, ON_GPU,
-                                    False)
+                                    tile == 0, COL_FMT, ON_GPU, False)
     else:
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -323,11 +330,10 @@ def _quant_tensor_kernel(x_ptr, amax_ptr, row_ptr, row_scale_ptr, col_ptr, col_s
         tile_max = 0.0
         if ROWS:
             tile_max = _quantize_store(x_ptr, rows, cols, stride_r, stride_c, R, C, row_ptr, CP, row_scale_ptr, amax,
-                                       first, R_FMAX, R_INT, R_MAN, R_EMIN, R_QMIN, R_QMAX, R_NATIVE, R_E4M3, ON_GPU,
-                                       DELAYED)
+                                       first, ROW_FMT, ON_GPU, DELAYED)
         if COLS:
             _quantize_store(x_ptr, cols, rows, stride_c, stride_r, C, R, col_ptr, RP, col_scale_ptr, amax, first,
-                            C_FMAX, C_INT, C_MAN, C_EMIN, C_QMIN, C_QMAX, C_NATIVE, C_E4M3, ON_GPU, False)
+                            COL_FMT, ON_GPU, False)
             if DELAYED and not ROWS:  # the maximum from the tile as the rows' copy loads it (from L1/L2 now): taken
                 # over the transposed tile it was most of int4's per-tensor quantizer time (371 against 199 us a step
                 # at 4096 x 4096, measured on an H100)
@@ -344,16 +350,13 @@ def _quant_tensor_kernel(x_ptr, amax_ptr, row_ptr, row_scale_ptr, col_ptr, col_s
 
 @triton.jit
 def _quantize_store(x_ptr, a, b, stride_a, stride_b, A, B, out_ptr, OUT_W, scale_ptr, amax, first,
-                    FMAX: tl.constexpr, IS_INT: tl.constexpr, MAN: tl.constexpr, EMIN: tl.constexpr,
-                    QMIN: tl.constexpr, QMAX: tl.constexpr, NATIVE: tl.constexpr, CONTAINER_E4M3: tl.constexpr,
-                    ON_GPU: tl.constexpr, TILE_MAX: tl.constexpr):
+                    FMT: tl.constexpr, ON_GPU: tl.constexpr, TILE_MAX: tl.constexpr):
     """The tile x[a, b] (x is (A, B) along these indices) scaled by amax / FMAX, stored as out[a, b] in rows of
     OUT_W (zeros past B); ``first`` also stores the scale. Returns the tile's finite absmax with TILE_MAX, else 0."""
     t = tl.load(x_ptr + a[:, None].to(tl.int64) * stride_a + b[None, :].to(tl.int64) * stride_b,
                 mask=(a[:, None] < A) & (b[None, :] < B), other=0.0).to(tl.float32)
-    scale = _absmax_scale(amax, FMAX)
-    q = _quantize_tile(t, scale, FMAX, IS_INT, MAN, EMIN, QMIN, QMAX, NATIVE, CONTAINER_E4M3,
-                       out_ptr.dtype.element_ty, ON_GPU)
+    scale = _absmax_scale(amax, FMT[0])
+    q = _quantize_tile(t, scale, FMT, out_ptr.dtype.element_ty, ON_GPU)
     tl.store(out_ptr + a[:, None].to(tl.int64) * OUT_W + b[None, :], q, mask=(a[:, None] < A) & (b[None, :] < OUT_W))
     if first:
         tl.store(scale_ptr, scale)
@@ -365,12 +368,10 @@ def _quantize_store(x_ptr, a, b, stride_a, stride_b, A, B, out_ptr, OUT_W, scale
 @functools.cache
 def _tensor_constexprs(row_fmt, col_fmt, slots: int, block_r: int, block_c: int, interp: bool,
                        store_used: bool = False) -> dict:
-    """_quant_tensor_kernel's constexprs for one configuration (formats, tile, history length (0: no history),
-    whether the used absmax is stored)."""
-    e4m3 = get_format("e4m3")  # the format of a copy not written: any
-    return dict(ROWS=row_fmt is not None, **_grid_args_of(row_fmt or e4m3, "R_", container_dtype(row_fmt or e4m3)),
-                COLS=col_fmt is not None, **_grid_args_of(col_fmt or e4m3, "C_", container_dtype(col_fmt or e4m3)),
-                BLOCK_R=block_r, BLOCK_C=block_c, ON_GPU=not interp, N_SLOTS=max(slots, 1),
+    """_quant_tensor_kernel's constexprs for one configuration (formats, None for a copy not written; tile;
+    history length, 0: no history; whether the used absmax is stored)."""
+    return dict(ROW_FMT=None if row_fmt is None else _format_constexprs(row_fmt),
+                COL_FMT=None if col_fmt is None else _format_constexprs(col_fmt), BLOCK_R=block_r, BLOCK_C=block_c, ON_GPU=not interp, N_SLOTS=max(slots, 1),
                 SLOTS_P2=next_power_of_2(max(slots, 1)), STORE_USED=store_used)
 
 
@@ -381,20 +382,16 @@ def _redo_programs(device: torch.device) -> int:
     return TUNING["redo"]["per_sm"] * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _grid_args(fmt, prefix: str, out: torch.Tensor) -> dict:
-    return _grid_args_of(get_format(fmt) if isinstance(fmt, str) else fmt, prefix, out.dtype)
-
-
-@functools.cache  # per launch otherwise: a handful of formats, prefixes and dtypes
-def _grid_args_of(fmt, prefix: str, out_dtype: torch.dtype) -> dict:
-    """The constexprs of _quantize_tile for ``fmt`` written into ``out``, named with ``prefix``. E4M3 and E5M2
-    are their container's own grid (NATIVE: the cast rounds); E2M1 and INT4 live in E4M3 codes but round onto
-    their own grid first."""
+@functools.cache  # per launch otherwise: a handful of formats
+def _format_constexprs(fmt) -> tuple:
+    """A format as _quantize_tile's FMT constexpr, written into its container (formats.container_dtype):
+    (FMAX, IS_INT, MAN, EMIN, QMIN, QMAX, NATIVE, CONTAINER_E4M3). E4M3 and E5M2 are their container's own grid
+    (NATIVE: the cast rounds); E2M1 and INT4 live in E4M3 codes but round onto their own grid first."""
+    fmt = get_format(fmt)
     is_int = isinstance(fmt, IntFormat)
-    return {f"{prefix}FMAX": float(fmt.max), f"{prefix}INT": is_int, f"{prefix}MAN": 0 if is_int else fmt.man_bits,
-            f"{prefix}EMIN": 0 if is_int else fmt.min_normal_exp, f"{prefix}QMIN": fmt.qmin if is_int else 0,
-            f"{prefix}QMAX": fmt.qmax if is_int else 0, f"{prefix}NATIVE": fmt.name in ("e4m3", "e5m2"),
-            f"{prefix}E4M3": out_dtype == torch.float8_e4m3fn}
+    return (float(fmt.max), is_int, 0 if is_int else fmt.man_bits, 0 if is_int else fmt.min_normal_exp,
+            fmt.qmin if is_int else 0, fmt.qmax if is_int else 0, fmt.name in ("e4m3", "e5m2"),
+            container_dtype(fmt) == torch.float8_e4m3fn)
 
 
 def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int | None, col_cols: int | None,
@@ -461,12 +458,6 @@ def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int |
     return rows, cols
 
 
-def quantize_cols_from_max(x: torch.Tensor, fmt, col_max: torch.Tensor, cols: int):
-    """The columns of ``x`` (output transposed), with the column maxima a row pass over x left in ``col_max``:
-    one pass (quantize_rows_and_cols' second half, for when the row pass came earlier: a weight's forward)."""
-    return quantize_rows(x.t(), fmt, "row", None, cols, col_max=col_max, from_max=True)
-
-
 def quantize_rows_and_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int, col_cols: int):
     """Rows of 2-D contiguous ``x`` and its columns (the transposed copy), per row and per column, in two passes
     over x instead of three: the row kernel also takes each column's absmax (atomics), so the column kernel
@@ -475,4 +466,4 @@ def quantize_rows_and_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int, col
     as quantize_rows gives them."""
     col_max = torch.zeros(x.shape[1], device=x.device, dtype=torch.int32)  # |x| bits: 0 is +0.0
     rows = quantize_rows(x, row_fmt, "row", None, row_cols, col_max=col_max)
-    return rows, quantize_cols_from_max(x, col_fmt, col_max, col_cols)
+    return rows, quantize_rows(x.t(), col_fmt, "row", None, col_cols, row_max=col_max)
