@@ -72,6 +72,17 @@ def lpoptim_roundtrip4(x, step, second=False, salt=2):
     return quant.dequantize_state4(*quant.quantize_state4(x, second, noise=noise), x.shape, second)
 
 
+def group_ratio_inv(m, v, slack=1.0, bf16=False):
+    """Per element, 1 / (slack · r2) of its group, r2 the group's largest m^2 / v (quant.state4_ratio_bound, what
+    state_bits=4 stores; ``bf16``: r2 rounded up to bf16 as a 2-byte alternative); 0 where r2 is 0 (no bound)."""
+    r2 = quant.state4_ratio_bound(m, v)
+    if bf16:
+        bits = r2.contiguous().view(torch.int32)
+        r2 = torch.where(bits > 0x7F7F0000, 0x7F800000, (bits + 0xFFFF) & ~0xFFFF).view(torch.float32)
+    inv = quant.ratio_bound_inv(r2 * slack)
+    return quant.from_groups(quant.to_groups(torch.zeros(m.shape), 128) + inv.unsqueeze(-1), m.shape)
+
+
 SUBNORMAL_K1 = dict(floor_exp=-9)  # lpoptim 0.1: COAT's target, k >= 1
 CANDIDATES = {
     "k >= 1 onto the smallest subnormal, v (lpoptim 0.1)": dict(m=SUBNORMAL_K1, v=SUBNORMAL_K1),
@@ -103,13 +114,21 @@ def simulate(grads, cand, beta1=0.9, beta2=0.99):
         ue = me / bc1 / (ve.sqrt() / bc2 + EPS)
         out.append((u.abs().max().item(), ue.abs().max().item(), ((u - ue).norm() / ue.norm().clamp_min(1e-30)).item()))
         series = 1 + ratio * series
+        # the group's ratio bound (state_bits=4): from the exact moments before rounding, applied at the next decode
+        # (here right after the round trip: the decoder's maxima commute); "at encode": v's code is rounded up to
+        # it instead, nothing stored
+        inv_g = group_ratio_inv(m, v, cand.get("ratio_slack", 1.0), cand.get("ratio_bf16", False)) \
+            if cand.get("ratio") or cand.get("ratio_at_encode") else None
         if cand.get("shipped"):
             m, v = lpoptim_roundtrip(m), lpoptim_roundtrip(v)
         elif cand.get("shipped4"):
             m, v = lpoptim_roundtrip4(m, t), lpoptim_roundtrip4(v, t, second=True)
         else:
             m = roundtrip(m, cand["m"], t, salt=1)
-            v = roundtrip(v.sqrt(), cand["v"], t, salt=2) ** 2 if cand.get("sqrt") else roundtrip(v, cand["v"], t, salt=2)
+            vspec = dict(cand["v"], at_least=m * m * inv_g) if cand.get("ratio_at_encode") else cand["v"]
+            v = roundtrip(v.sqrt(), vspec, t, salt=2) ** 2 if cand.get("sqrt") else roundtrip(v, vspec, t, salt=2)
+        if cand.get("ratio"):
+            v = torch.fmax(v, m * m * inv_g)
     return out
 
 
@@ -143,7 +162,8 @@ def group_scale(amax, scale, top):
     return top * torch.exp2(torch.ceil(torch.log2(amax / top)))  # e8m0
 
 
-def roundtrip4(x, grid="e2m1", group_size=128, floor=1.0, compand=True, scale="fp32", zero=True, noise=None):
+def roundtrip4(x, grid="e2m1", group_size=128, floor=1.0, compand=True, scale="fp32", zero=True, noise=None,
+               round_up_below=0.0, at_least=None):
     """A 4-bit group codec, per group of ``group_size`` along the last dim, sign kept apart (15 magnitudes + 0):
 
     - "e2m1" / "int4" / "lin0": ``top · (|x|/c)^k`` rounded onto E2M1 (0, .5, 1, 1.5, 2, 3, 4, 6), the integers
@@ -156,6 +176,9 @@ def roundtrip4(x, grid="e2m1", group_size=128, floor=1.0, compand=True, scale="f
 
     ``noise`` (uniform [0, 1) of x's shape, "int4" / "lin0" only): stochastic rounding, floor(f + noise) in place
     of round(f): unbiased, so an EMA increment below half a grid step is kept in expectation instead of lost.
+    ``round_up_below`` (integer grids, not companded): f below it rounds up (ceil), not to nearest or at random.
+    ``at_least`` (of x's shape; integer grids, not companded): the code is raised to the first grid point at or
+    above it (within the grid).
     """
     g = quant.to_groups(x.float(), group_size)
     amax, amin = quant.group_stats(g)
@@ -180,6 +203,11 @@ def roundtrip4(x, grid="e2m1", group_size=128, floor=1.0, compand=True, scale="f
             q = torch.floor(f + quant.to_groups(noise, group_size)).clamp(1 if grid == "lin0" else 0, top)
         else:
             q = round_to_grid(f, E2M1) if grid == "e2m1" else f.round().clamp(1 if grid == "lin0" else 0, top)
+        if round_up_below:
+            q = torch.where(f < round_up_below, torch.ceil(f).clamp(1 if grid == "lin0" else 0, top), q)
+        if at_least is not None:
+            need = torch.ceil(quant.to_groups(at_least, group_size) / c * top * (1 - 2 ** -20))
+            q = torch.maximum(q, need.clamp(max=top))
         y = c * (q / top) ** (1 / k)
     y = torch.where(valid, torch.copysign(y, g), torch.zeros_like(y))
     return quant.from_groups(y, x.shape)
@@ -253,9 +281,24 @@ CANDIDATES_4BIT = {
         m=dict(INT4_M, sr=True), v=dict(LIN0, compand=False), bound=True),
     "m INT4 B128, v Li et al.'s B128 + bound, stochastic rounding of v": dict(
         m=INT4_M, v=dict(LIN0, compand=False, sr=True), bound=True),
-    # what ships, through lpoptim's own codec (quant.quantize_state4), not this file's candidate arithmetic
-    "lpoptim: state_bits=4 (quant.quantize_state4, v rounded stochastically, Adam's bound)": dict(
-        m=dict(INT4_M), v=dict(LIN0, compand=False), shipped4=True, bound=True),
+    # ... and what keeps its worst step: v never decodes more than its group's exact largest m^2 / v below m^2
+    "the same, + the group's ratio bound at decode (fp32 per 128)": dict(
+        m=INT4_M, v=dict(LIN0, compand=False, sr=True), bound=True, ratio=True, extra_bytes=4 / 128),
+    "the same, + the group's ratio bound at decode (bf16 per 128, rounded up)": dict(
+        m=INT4_M, v=dict(LIN0, compand=False, sr=True), bound=True, ratio=True, ratio_bf16=True, extra_bytes=2 / 128),
+    "the same, + the ratio bound x1.21 (slack: steps up to 1.1x the group's)": dict(
+        m=INT4_M, v=dict(LIN0, compand=False, sr=True), bound=True, ratio=True, ratio_slack=1.21, extra_bytes=4 / 128),
+    "the same, + the ratio bound x0.81 (tighter than the group's: steps at most 0.9x)": dict(
+        m=INT4_M, v=dict(LIN0, compand=False, sr=True), bound=True, ratio=True, ratio_slack=0.81, extra_bytes=4 / 128),
+    "the same, v's code rounded up to the group's ratio bound at encode (nothing stored)": dict(
+        m=INT4_M, v=dict(LIN0, compand=False, sr=True), bound=True, ratio_at_encode=True),
+    "the same, v rounded up (not at random) below 2/16 of its absmax (no ratio bound)": dict(
+        m=INT4_M, v=dict(LIN0, compand=False, sr=True, round_up_below=2.0), bound=True),
+    # what ships, through lpoptim's own codec (quant.quantize_state4, quant.state4_ratio_bound), not this file's
+    # candidate arithmetic
+    "lpoptim: state_bits=4 (quant.quantize_state4, v rounded stochastically, Adam's bound, the group's ratio bound)":
+        dict(m=dict(INT4_M), v=dict(LIN0, compand=False), shipped4=True, bound=True, ratio=True,
+             extra_bytes=4 / 128),
 }
 # dominated after the synthetic pass (worse worst case and mean than a kept relative), not run on the real streams
 SYNTHETIC_ONLY_4BIT = {
@@ -383,7 +426,7 @@ def main_4bit(args):
     for name in names:
         cand = CANDIDATES_4BIT[name]
         rows[name] = dict(synthetic_row(name, CANDIDATES_4BIT, synthetic, with_mean=True),
-                          bytes_per_param=state_bytes(cand["m"]) + state_bytes(cand["v"]))
+                          bytes_per_param=state_bytes(cand["m"]) + state_bytes(cand["v"]) + cand.get("extra_bytes", 0))
         print(json.dumps(rows[name]), flush=True)
     if not args.synthetic_only:
         texts = {"tinyshakespeare": None,

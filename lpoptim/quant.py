@@ -442,3 +442,43 @@ def dequantize_state4(codes: torch.Tensor, scale: torch.Tensor, shape, second: b
                       group_size: int = 128) -> torch.Tensor:
     nib = to_groups(unpack_codes4(codes, shape), group_size)
     return from_groups(decode4_groups(nib, scale, second), shape)
+
+
+# ---- the group's ratio bound (state_bits=4) ------------------------------------------------------------------
+# Adam's bound at decode (adam_bound_inv) caps every element's m^2 / v at K_t, the most any gradient stream can
+# give; a 4-bit v that rounds down a grid step beside a large m still steps up to ~2x further than exact Adam.
+# So the encoder also keeps, per group of G along the last dim, the largest m^2 / v its exact fp32 moments had
+# (r2, fp32: 4 bytes per group, as a scale), and the next decode raises v to m^2 / r2 where rounding left
+# it below: no element's decoded m^2 / v exceeds what its group exactly had. Chosen on the worst step and the mean
+# update error (benchmarks/state_quant_error.py --bits 4, docs/optimizer.md); missing (states saved before it) or
+# 0 means no such bound.
+def ratio_bound_elements(m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """m^2 / v per element, as the kernel computes it ((m·m)·(1/v), fp32): inf where v is 0 beside a non-zero m,
+    0 where m is 0, 0 where either is NaN (a NaN is left out of its group's bound, as of its scale)."""
+    e = torch.where(m != 0, (m * m) * torch.reciprocal(v), torch.zeros_like(m))
+    return torch.where(torch.isnan(e), torch.zeros_like(e), e)
+
+
+def state4_ratio_bound(m: torch.Tensor, v: torch.Tensor, group_size: int = 128) -> torch.Tensor:
+    """The largest m^2 / v of each group of the exact fp32 moments (ratio_bound_elements), fp32, shaped as the
+    scales (R, groups per row)."""
+    return to_groups(ratio_bound_elements(m.float(), v.float()), group_size).amax(dim=-1)
+
+
+def ratio_bound_inv(r2: torch.Tensor | None) -> torch.Tensor | None:
+    """1 / r2 per group in fp32 (what a decoded v is raised to, times m^2), 0 where r2 is 0 (no bound; 1 / inf is
+    0 too); None stays None (a state without the tensor)."""
+    if r2 is None:
+        return None
+    r2 = r2.float()
+    return torch.where(r2 > 0, _div_rn(1.0, torch.where(r2 > 0, r2, 1.0)), torch.zeros_like(r2))
+
+
+def adam_bound_inv4(inv_k: torch.Tensor, r2: torch.Tensor | None, shape, group_size: int = 128) -> torch.Tensor:
+    """The factor of m^2 a decoded 4-bit v is raised to, per element of ``shape``: max(1 / K_t, 1 / r2 of its
+    group) (1 / K_t alone without r2)."""
+    inv_g = ratio_bound_inv(r2)
+    if inv_g is None:
+        return inv_k
+    inv = torch.maximum(inv_g, inv_k.float())
+    return from_groups(to_groups(torch.zeros(shape, device=inv.device), group_size) + inv.unsqueeze(-1), shape)

@@ -41,9 +41,11 @@ from ..quant import (K_MANT_BITS, K_MASK, K_MAX_EXP, K_MIN_EXP, K_ONE, K_SLACK_B
                      expansion_floor, inv_max, log2_max)
 
 # the address table's columns: param, grad, then (codes, scale) of exp_avg, exp_avg_sq, max_exp_avg_sq, then the
-# step count (fp32, 0-dim; the kernel works out the bias corrections from it)
-N_PTRS = 9
+# step count (fp32, 0-dim; the kernel works out the bias corrections from it), then 4-bit states' groups' ratio
+# bound (fp32, one per group; 0 for FP8 states)
+N_PTRS = 10
 STEP_COLUMN = 8
+RATIO_COLUMN = 9
 _TL_DTYPES = {}
 
 
@@ -314,10 +316,10 @@ MAX_PLANS = 4096
 MAX_TABLES = 4  # address tables kept per plan: gradients that alternate between buffers find theirs again
 # the state's columns of the address table: codes and scales of quantized moments, or fp32 moments (no scales)
 _STATE_KEYS = {True: ("exp_avg_codes", "exp_avg_scale", "exp_avg_sq_codes", "exp_avg_sq_scale", "max_exp_avg_sq_codes",
-                      "max_exp_avg_sq_scale", "step"),
-               False: ("exp_avg", None, "exp_avg_sq", None, "max_exp_avg_sq", None, "step")}
+                      "max_exp_avg_sq_scale", "step", None),
+               False: ("exp_avg", None, "exp_avg_sq", None, "max_exp_avg_sq", None, "step", None)}
 _STATE_KEYS4 = ("exp_avg_codes4", "exp_avg_scale", "exp_avg_sq_codes4", "exp_avg_sq_scale", "max_exp_avg_sq_codes4",
-                "max_exp_avg_sq_scale", "step")  # state_bits=4: packed codes (kernels/adamw_step4.py)
+                "max_exp_avg_sq_scale", "step", "ratio_bound_scale")  # state_bits=4: packed codes (kernels/adamw_step4.py)
 
 # Launch settings, the best of a sweep on an H100 (torch 2.11, triton 3.6; docs/results/console_h100.md): fp32
 # 7.6-8.1 ms, bf16 5.3-5.6 ms for 1.24 B parameters, host part included, on two hosts (1 group per tile: 8.1-8.2 /
@@ -377,7 +379,7 @@ def _tables(batch, layout, block_g: int) -> _Plan:
             for t, c, v in changed:
                 table[0][t, c].fill_(v)
             # aligned only if it was and the new addresses are (conservative: an old unaligned one may have gone)
-            table = (table[0], table[1] and all(v % 16 == 0 for _, c, v in changed if c != STEP_COLUMN))
+            table = (table[0], table[1] and all(v % 16 == 0 for _, c, v in changed if c < STEP_COLUMN))
     if table is None:  # a new table through pinned memory, copied asynchronously
         _check_steps(batch)
         # the step count (4-byte scalar) is not loaded as a vector: its alignment does not matter

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from ..optim.stochastic_round import V_NOISE_SALT
 from ..quant import FP32_MIN_NORMAL, M4_INV, M4_NAN, M4_TOP, V4_TOP
-from .adamw_step import _address, _program_tensor, _step_scalars, _tile
+from .adamw_step import RATIO_COLUMN, _address, _program_tensor, _step_scalars, _tile
 from .grid import fast_rcp, finite_abs, hash32, round_bf16_stochastic, round_half_even, store_as
 
 M4_TOP_C = tl.constexpr(M4_TOP)
@@ -26,6 +26,7 @@ M4_NAN_C = tl.constexpr(M4_NAN)
 MIN_NORMAL_C = tl.constexpr(FP32_MIN_NORMAL)
 V_NOISE_SALT_C = tl.constexpr(V_NOISE_SALT)
 M4_INV_C = tl.constexpr(M4_INV)
+RATIO_COLUMN_C = tl.constexpr(RATIO_COLUMN)
 
 
 @triton.jit
@@ -87,6 +88,22 @@ def _encode4(x, codes_ptr, scale_ptr, boffs, bmask, mask, gid, gmask, noise, SEC
 
 
 @triton.jit
+def _ratio_bound_inv(ratio_ptr, gid, gmask):
+    """quant.ratio_bound_inv of the tile's groups ([BLOCK_G, 1]): 1 / r2, 0 where r2 is 0 (no bound)."""
+    r2 = tl.load(ratio_ptr + gid, mask=gmask, other=0.0)
+    return tl.where(r2 > 0, tl.div_rn(1.0 + tl.zeros_like(r2), tl.where(r2 > 0, r2, 1.0)), 0.0)  # once per group
+
+
+@triton.jit
+def _store_ratio_bound(m, v, ratio_ptr, gid, gmask, ON_GPU: tl.constexpr):
+    """quant.state4_ratio_bound of the tile's fresh fp32 moments: each group's largest (m·m)·(1/v) (0 where m is 0,
+    NaN left out; masked-out lanes hold m = 0), stored."""
+    e = tl.where(m != 0, (m * m) * fast_rcp(v, ON_GPU), 0.0)
+    e = tl.where(e == e, e, 0.0)
+    tl.store(ratio_ptr + gid, tl.max(e, axis=1, keep_dims=True), mask=gmask)
+
+
+@triton.jit
 def adamw4_kernel(
     ptrs, dims, blocks, lr_ptr, decay_ptr, grad_scale_ptr, found_inf_ptr, salt_ptr,
     lr, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, bound_ratio, bound_log2_ratio, bound_numer,
@@ -115,6 +132,7 @@ def adamw4_kernel(
     key = hash32(hash32(step.to(tl.uint32)) + tl.load(salt_ptr + 2 * tensor).to(tl.uint32) * 0x9E3779B9)
     key_v = hash32(key ^ V_NOISE_SALT_C)
     index_offset = tl.load(salt_ptr + 2 * tensor + 1).to(tl.uint32)
+    ratio_ptr = _address(row_ptrs, RATIO_COLUMN_C, tl.float32, False)  # read and written per group
     if AMSGRAD:
         vm_ptr = _address(row_ptrs, 6, tl.uint8, ALIGNED)
         vms_ptr = _address(row_ptrs, 7, tl.float32, ALIGNED)
@@ -142,7 +160,8 @@ def adamw4_kernel(
 
         m = _decode4(m_ptr, ms_ptr, boffs, bmask, mask, gid, gmask, False, BLOCK_G, G)
         v = _decode4(v_ptr, vs_ptr, boffs, bmask, mask, gid, gmask, True, BLOCK_G, G)
-        v = tl.maximum(v, m * m * inv_bound)  # Adam's own bound at decode
+        # Adam's own bound at decode, and the group's: m^2 / v at most K_t and at most what the group exactly had
+        v = tl.maximum(v, m * m * tl.maximum(_ratio_bound_inv(ratio_ptr, gid, gmask), inv_bound))
         m = m + one_minus_beta1 * (g - m)
         v = v * beta2 + one_minus_beta2 * g * g
         sqrt_v_used = tl.sqrt(v)
@@ -156,6 +175,7 @@ def adamw4_kernel(
             p = round_bf16_stochastic(p, offs.to(tl.uint32) + index_offset, key)
         store_as(p_ptr + offs, p, mask, PARAM_DTYPE, ON_GPU)
 
+        _store_ratio_bound(m, v, ratio_ptr, gid, gmask, ON_GPU)  # from the exact moments, before they are rounded
         _encode4(m, m_ptr, ms_ptr, boffs, bmask, mask, gid, gmask, 0.0, False, BLOCK_G, G, False)
         # v rounded stochastically: uniforms from the top 24 bits of hash32(index ^ key_v) (stochastic_round.uniform_noise)
         noise = (hash32((offs.to(tl.uint32) + index_offset) ^ key_v) >> 8).to(tl.float32) * 5.960464477539063e-08

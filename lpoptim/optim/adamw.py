@@ -12,10 +12,10 @@ import torch
 from torch.optim import Optimizer
 
 from ..formats import FloatFormat, get_format
-from ..quant import num_groups
+from ..quant import num_groups, state4_ratio_bound
 from . import distributed as _dist
 from .reference import MOMENTS, load_moment, reference_adamw_step
-from .state import CODES, StateLayout, init_state, moment_dtype, state_bits_of, stored_moment
+from .state import CODES, RATIO4, StateLayout, init_state, moment_dtype, state_bits_of, stored_moment
 
 LPOPTIM_DEFAULTS = dict(
     exp_avg_format="e4m3",
@@ -245,6 +245,10 @@ class AdamW(Optimizer):
         elif group["amsgrad"] and stored_moment(state, "max_exp_avg_sq") is None:
             new = self._new_state(p, param, layout, True)
             state.update({k: v for k, v in new.items() if k.startswith("max_")})
+        if (layout.quantized and layout.state_bits == 4 and RATIO4 not in state
+                and state_bits_of(state) == 4 and "exp_avg_scale" in state):
+            # a 4-bit state saved before the groups' ratio bound existed: none yet (0), the next step writes one
+            state[RATIO4] = self._new_state(p, param, layout, False)[RATIO4]
         dtensor = _dist.is_dtensor(p)
         local_state = {k: _local(v) for k, v in state.items()} if dtensor else state
         empty = dtensor and param.numel() == 0
@@ -458,6 +462,11 @@ def _check_state(state: dict, param: torch.Tensor, layout: StateLayout) -> None:
         raise ValueError("lpoptim.AdamW: this parameter's state was built with other group options (group_size, "
                          "min_quant_numel), which cannot change after its first step, or for another shape "
                          "(p.data replaced by a tensor of another shape)")
+    ratio = state.get(RATIO4)
+    if ratio is not None and (scale is None or ratio.shape != scale.shape or ratio.dtype != torch.float32):
+        raise ValueError(f"lpoptim.AdamW: this parameter's {RATIO4} is {ratio.dtype} {tuple(ratio.shape)}, its "
+                         f"scales {None if scale is None else tuple(scale.shape)}: it must be float32 of the scales' "
+                         "shape (the state was built for another layout)")
     if scale is not None and state_bits_of(state) != layout.state_bits:
         raise ValueError(f"lpoptim.AdamW: this parameter's state was built with state_bits={state_bits_of(state)}, "
                          f"its group now asks for {layout.state_bits}: state_bits cannot change after the first step "
@@ -481,15 +490,19 @@ def _convert_state(state: dict, param: torch.Tensor, layout: StateLayout) -> dic
             out.update({k: state[k].to(moment_dtype(param)) for k in MOMENTS if k in state})
         return out
     out = {"step": step}
+    values = {}
     for name in MOMENTS:
         present = stored_moment(state, name) is not None
         if present and param.numel() == 0:  # an empty shard (uneven FSDP2 sharding): nothing to convert
             out.update({k: v for k, v in init_state(param, layout, True).items()
-                        if k in (name, name + layout.codes_suffix, name + "_scale")})
+                        if k in (name, name + layout.codes_suffix, name + "_scale", RATIO4)})
         elif present:
             # a 4-bit state (codes4) decodes as such whatever this layout says; an FP8 one by the saved codes
             source = dataclasses.replace(layout, quantized=quantized_in, state_bits=bits_in,
                                          sqrt_v=layout.sqrt_v and bits_in == 8)
-            value = load_moment(state, name, source, param.shape)
-            out.update(encode_moment(name, value.to(param.device), layout))
+            value = values[name] = load_moment(state, name, source, param.shape).to(param.device)
+            out.update(encode_moment(name, value, layout))
+    if layout.quantized and layout.state_bits == 4 and "exp_avg" in values and "exp_avg_sq" in values:
+        # the groups' ratio bound from the moments loaded (torch's exact ones, or the other codec's decoded ones)
+        out[RATIO4] = state4_ratio_bound(values["exp_avg"], values["exp_avg_sq"], layout.group_size)
     return out

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import adam_bound_inv, dequantize_state, dequantize_state4, quantize_state, quantize_state4
-from .state import CODES, CODES4, StateLayout, moment_dtype
+from ..quant import (adam_bound_inv, adam_bound_inv4, dequantize_state, dequantize_state4, quantize_state,
+                     quantize_state4, state4_ratio_bound)
+from .state import CODES, CODES4, RATIO4, StateLayout, moment_dtype
 from .stochastic_round import round_bf16_stochastic, sr_key, uniform_noise, v_noise_key
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -86,8 +87,11 @@ def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, l
     m = load_moment(state, "exp_avg", layout, param.shape).to(acc)
     v = load_moment(state, "exp_avg_sq", layout, param.shape).to(acc)
     if layout.quantized:  # a decoded v is never below what Adam's own recursion allows beside the decoded m
+        inv_bound = adam_bound_inv(state["step"], beta1, beta2)
+        if RATIO4 in state and "exp_avg" + CODES4 in state:  # nor below m^2 / its group's exact largest m^2 / v
+            inv_bound = adam_bound_inv4(inv_bound, state[RATIO4], param.shape, layout.group_size)
         # fmax, as the GPU's max: a NaN bound (a NaN m) leaves v as it is
-        v = torch.fmax(v, m * m * adam_bound_inv(state["step"], beta1, beta2))
+        v = torch.fmax(v, m * m * inv_bound)
     m = m + (1 - beta1) * (g - m)  # torch's lerp, written out so every backend rounds alike
     v = v * beta2 + (1 - beta2) * g * g
     v_used = v
@@ -108,13 +112,19 @@ def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, l
         if layout.quantized and layout.state_bits == 4 and name == "exp_avg_sq":
             noise = uniform_noise(param.shape, v_noise_key(step, state_salt), offset)
         entries.update(encode_moment(name, value, layout, noise))
+    if layout.quantized and layout.state_bits == 4:  # the bound the next decode applies, from the exact moments
+        entries[RATIO4] = state4_ratio_bound(m, v, layout.group_size)
     if sr_salt is not None and param.dtype == torch.bfloat16:
         p_new = round_bf16_stochastic(p_new, sr_key(step, sr_salt), offset)
     p_new = p_new.to(param.dtype)
     if found_inf is not None:  # skip the whole step without asking the host: keep every old value
         skip = found_inf.to(dev) != 0
         p_new = torch.where(skip, param, p_new)
-        entries = {k: torch.where(skip, state[k], e) for k, e in entries.items()}
+        entries = {k: torch.where(skip, state[k] if k in state else torch.zeros_like(e), e)
+                   for k, e in entries.items()}
     param.copy_(p_new)
     for k, e in entries.items():
-        state[k].copy_(e)
+        if k in state:
+            state[k].copy_(e)
+        else:  # a 4-bit state saved without its ratio bound gets one
+            state[k] = e
