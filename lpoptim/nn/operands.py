@@ -185,7 +185,6 @@ def _quantize_kernel(x, spec: QuantSpec, block, cols, amax, history) -> Operand:
     fmt = get_format(spec.fmt)
     if amax is not None:  # the rows' maxima, left by a keep="col_max" pass over x.t(): one pass
         return Operand(*lq.quantize_rows(x, fmt, "row", None, cols, row_max=amax))
-    kept = None
     if keep == "col_max" and x.is_contiguous():
         kept = torch.zeros(x.shape[1], device=x.device, dtype=torch.int32)  # |x| bits: 0 is +0.0
         return Operand(*lq.quantize_rows(x, fmt, "row", block, cols, col_max=kept), kept)
