@@ -28,7 +28,7 @@ import torch
 
 from . import __version__
 from .stack import Stack, parse_stack, vocabulary
-from .train.data import PYTHON_STDLIB, STDLIB_CHARS
+from .train.data import PYTHON_STDLIB, STDLIB_CHARS, is_glob
 
 PRESETS = {
     # about a minute on 2 CPU cores
@@ -41,9 +41,10 @@ PRESETS = {
     "gpt2-113m": dict(n_layer=16, n_head=12, n_embd=768, block_size=512, batch_size=32, steps=2000, lr=6e-4,
                       warmup=200, betas=(0.9, 0.95), eval_every=250, eval_batches=20),
 }
-# --text python-stdlib: the whole standard library (10-30 M characters, as installed) for the quality preset, whose
-# 2000 steps train on 33 M characters (on the small presets' 1.5 M it saw each character 20 times and every run
-# overfit after step 750); the small presets keep the 1.5 M their published figures were measured on
+# the length of a text built from files (--text python-stdlib or a glob): the whole standard library (10-30 M
+# characters, as installed) for the quality preset, whose 2000 steps train on 33 M characters (on the small
+# presets' 1.5 M it saw each character 20 times and every run overfit after step 750); the small presets keep the
+# 1.5 M their published figures were measured on
 STDLIB_CHARS_BY_PRESET = {"gpt2-113m": 40_000_000}
 # the loop builds its own model, optimizer and data: these parts are bench's alone
 TRAIN_PARTS = "an optimizer (torch, lpoptim), then any of +bf16, +s4, +act, +<linear recipe>"
@@ -110,7 +111,7 @@ def hf_config_arg(text: str) -> str:
 
 
 def existing_file(text: str) -> Path | str:
-    if text == PYTHON_STDLIB:  # built where the results go, once the output folder is known
+    if text == PYTHON_STDLIB or is_glob(text):  # built where the results go, once the output folder is known
         return text
     path = Path(text)
     if not path.is_file():
@@ -173,7 +174,7 @@ def plot_curves(results: list[dict], title: str, path: Path) -> None:
 
 def cmd_train(ap: Parser, args) -> int:
     from .bench import environment
-    from .train.data import CharData, bundled_text_path, python_stdlib_text
+    from .train.data import CharData, bundled_text_path, files_text, python_stdlib_text
     from .train.loop import RunConfig, train
 
     device = resolve_device(ap, args.device)
@@ -182,8 +183,13 @@ def cmd_train(ap: Parser, args) -> int:
         preset["steps"] = args.steps
         preset["eval_every"] = max(1, args.steps // 5)
     text = args.text or bundled_text_path()
-    if text == PYTHON_STDLIB:
-        limit = STDLIB_CHARS_BY_PRESET.get(args.preset, STDLIB_CHARS)
+    limit = STDLIB_CHARS_BY_PRESET.get(args.preset, STDLIB_CHARS)
+    if isinstance(text, str) and is_glob(text):
+        try:
+            text = files_text(text, Path(args.out) / "text_from_files.txt", limit)
+        except ValueError as e:
+            ap.error(f"--text: {e}")
+    elif text == PYTHON_STDLIB:
         text = python_stdlib_text(Path(args.out) / ("python_stdlib.txt" if limit == STDLIB_CHARS else
                                                     f"python_stdlib_{limit // 1_000_000}M.txt"), limit)
     try:
@@ -284,8 +290,9 @@ def parser() -> Parser:
                    help="comma-separated runs (default: torch,lpoptim); the first is the baseline")
     t.add_argument("--preset", choices=sorted(PRESETS), help="model size and schedule (default: tiny on CPU, shakespeare on GPU)")
     t.add_argument("--steps", type=positive_int, help="override the preset's number of steps")
-    t.add_argument("--text", type=existing_file, help="a text file (default: the bundled tinyshakespeare), or python-stdlib: the Python standard "
-                   "library's own source, a second real text every machine has")
+    t.add_argument("--text", type=existing_file, help="a text file (default: the bundled tinyshakespeare); python-stdlib: the Python standard "
+                   "library's own source, a second real text every machine has; or a quoted glob of files, e.g. "
+                   "'/usr/include/**/*.h', concatenated in path order")
     t.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--compile", action="store_true",

@@ -218,3 +218,22 @@ def test_stdlib_text_grows_for_the_quality_preset_and_keeps_its_start(tmp_path):
     large = python_stdlib_text(tmp_path / "large.txt", 3 * STDLIB_CHARS).read_text(encoding="utf-8")
     assert len(small) == STDLIB_CHARS and len(large) == 3 * STDLIB_CHARS and large.startswith(small)
     assert STDLIB_CHARS_BY_PRESET["gpt2-113m"] > STDLIB_CHARS  # the quality preset asks for the whole library
+
+
+def test_glob_text_concatenates_the_matching_files_in_path_order(tmp_path, no_work, capsys):
+    """--text 'DIR/**/*.h': any corpus on the machine as one text, files in path order, undecodable bytes
+    replaced, cut at the limit; a glob that matches nothing is refused before any work."""
+    from lpoptim.train.data import files_text
+
+    root = tmp_path / "inc"
+    (root / "sys").mkdir(parents=True)
+    (root / "b.h").write_text("bbb")
+    (root / "a.h").write_text("aaa")
+    (root / "sys" / "c.h").write_bytes(b"c\xffc")
+    (root / "skip.txt").write_text("not a header")
+    text = files_text(f"{root}/**/*.h", tmp_path / "t.txt", 100).read_text(encoding="utf-8")
+    assert text == "aaabbbc\ufffdc"
+    assert files_text(f"{root}/**/*.h", tmp_path / "t.txt", 5).read_text(encoding="utf-8") == "aaabb"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--text", f"{root}/**/*.nothing", "--device", "cpu", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "no file matches" in capsys.readouterr().err
