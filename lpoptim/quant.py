@@ -365,7 +365,7 @@ def adam_bound_inv(n: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
 # Encoding multiplies |x| by top/c (one correctly rounded division per group) and rounds to nearest even onto the
 # integers, or stochastically (floor(f + u), u uniform from a hash: state4_noise). Decoding multiplies the integer
 # by 1/top and then by c (m: q · fp32(1/7), exact at q = ±7, so the absmax decodes to itself; v: j · c/16).
-# 0.5 B per moment and element + 4 B per group: 1.0625 B/param at G=128.
+# 0.5 B per moment and element + 4 B per group: 1.0625 B/param at G=128 (1.094 with the groups' ratio bound below).
 
 M4_TOP = 7.0
 V4_TOP = 16.0

@@ -7,8 +7,12 @@ its two nibbles (element 2i low, 2i + 1 high: tl.join then a reshape), and packs
 codec is integer rounding onto 0..7 (m, with a sign) or 1..16 (v): f = |x| · top/c with top/c one correctly
 rounded division per group (div_rn, as the reference's float64 quotient), rounded to nearest even by the 1.5·2^23
 trick (v: floor(f + u), u from the hash), so kernel and reference agree exactly given the same fp32 moment; the
-decode is (q · fp32(1/7)) · c or j · (c/16), in the reference's order. The update arithmetic is adamw_step.py's, so fp32 moments may differ from the
-reference's by an ulp, which can move a code on a rounding tie-break.
+decode is (q · fp32(1/7)) · c or j · (c/16), in the reference's order. The update arithmetic is adamw_step.py's,
+so fp32 moments may differ from the reference's by an ulp, which can move a code on a rounding tie-break.
+Each group's ratio bound (quant.state4_ratio_bound, the table's tenth column) is read once per group at decode
+(v >= m^2 · max(1/K_t, 1/r2): one division per group, the same per-element maximum as Adam's bound alone) and
+written at encode from the fresh fp32 moments: (m·m)·rcp(v) and a maximum over the group (on the GPU rcp.approx,
+so r2 may differ from the reference's by an ulp or two; under the interpreter it is exact).
 """
 from __future__ import annotations
 

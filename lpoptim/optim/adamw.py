@@ -36,7 +36,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class AdamW(Optimizer):
     """Drop-in for ``torch.optim.AdamW`` whose m and v live in FP8 (about 2.06 bytes per parameter instead of 8), or
-    in 4 bits with ``state_bits=4`` (1.0625).
+    in 4 bits with ``state_bits=4`` (1.094).
 
     Signature, defaults and argument checks are torch.optim.AdamW's (with its messages); arguments torch would
     only trip over inside a step (``betas=(0.9,)``, ``lr='1e-3'``) and lpoptim's options are refused up front, the
@@ -51,13 +51,14 @@ class AdamW(Optimizer):
     - ``bf16_stochastic_round`` (False): round bf16 parameters' updates stochastically (unbiased), so bf16 master
       weights without an fp32 copy lose nothing to rounding (stochastic_round.py; torchao's option of that name).
       Deterministic: the same steps give the same bits, on resume and on every data-parallel replica.
-    - ``state_bits`` (8): 4 stores m and v in 4 bits, two codes per byte (1.0625 bytes per parameter of state at
-      group_size 128, scales included, against 2.06 for FP8): m as INT4 with zero (q/7 of the group's absmax,
-      q = -7..7, to nearest), v on a linear grid without zero (j/16 of its absmax, j = 1..16, rounded
-      stochastically: deterministic, from the step and the parameter's index), Adam's bound at decode. Measured on
-      real gradient streams (docs/optimizer.md, "4-bit states"): the largest step up to 2.14x torch's (FP8: at most
-      2x) and a mean update error of 0.38-0.41 (FP8: 0.05); a memory-for-accuracy trade. exp_avg_format,
-      exp_avg_sq_format and expansion do not apply; sqrt_exp_avg_sq is refused. A state saved with the other
+    - ``state_bits`` (8): 4 stores m and v in 4 bits, two codes per byte (1.094 bytes per parameter of state at
+      group_size 128, scales and ratio bounds included, against 2.06 for FP8): m as INT4 with zero (q/7 of the
+      group's absmax, q = -7..7, to nearest), v on a linear grid without zero (j/16 of its absmax, j = 1..16,
+      rounded stochastically: deterministic, from the step and the parameter's index), Adam's bound at decode and
+      each group's own (v raised to m^2 over the largest m^2 / v the group's exact moments had: ratio_bound_scale).
+      Measured on real gradient streams (docs/optimizer.md, "4-bit states"): the largest step up to 1.56x torch's
+      (FP8: at most 2x) and a mean update error of 0.365-0.399 (FP8: 0.05); a memory-for-accuracy trade.
+      exp_avg_format, exp_avg_sq_format and expansion do not apply; sqrt_exp_avg_sq is refused. A state saved with the other
       state_bits is converted when loaded (decoded and encoded again).
 
     ``foreach`` is accepted and has no effect. ``fused``: None picks the fused Triton kernel for CUDA tensors

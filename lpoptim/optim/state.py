@@ -107,7 +107,8 @@ def init_state(param: torch.Tensor, layout: StateLayout, amsgrad: bool) -> dict[
         else:
             state[name] = torch.zeros(param.shape, dtype=moment_dtype(param), device=dev)
     if layout.quantized and layout.state_bits == 4:  # 0: no bound (the moments are 0)
-        state[RATIO4] = torch.zeros(num_groups(param.shape, layout.group_size), dtype=torch.float32, device=dev)
+        state[RATIO4] = torch.zeros(num_groups(param.shape, layout.group_size), dtype=torch.float32,
+                                    device=dev)
     return state
 
 
