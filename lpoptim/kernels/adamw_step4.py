@@ -103,8 +103,9 @@ def _store_ratio_bound(m, v, ratio_ptr, gid, gmask, ON_GPU: tl.constexpr):
     """quant.state4_ratio_bound of the tile's fresh fp32 moments: each group's largest (m·m)·(1/v) (0 where m is 0,
     NaN left out; masked-out lanes hold m = 0), stored."""
     e = tl.where(m != 0, (m * m) * fast_rcp(v, ON_GPU), 0.0)
-    e = tl.where(e == e, e, 0.0)
-    tl.store(ratio_ptr + gid, tl.max(e, axis=1, keep_dims=True), mask=gmask)
+    e = tl.where(e == e, e, 0.0)  # >= +0 (v >= +0): its bits order as its values, an integer maximum (as amax)
+    r2 = tl.max(e.to(tl.int32, bitcast=True), axis=1, keep_dims=True).to(tl.float32, bitcast=True)
+    tl.store(ratio_ptr + gid, r2, mask=gmask)
 
 
 @triton.jit
