@@ -262,6 +262,8 @@ def test_torch_export_and_import():
     got = load_moment(st, "exp_avg", layout, w.shape)
     step = quant.to_groups(want.abs(), 128).amax(-1, keepdim=True) / 7
     assert (quant.to_groups((got - want).abs(), 128) <= step / 2 * (1 + 1e-6)).all()
+    # the groups' ratio bound from torch's exact moments
+    assert torch.equal(st["ratio_bound_scale"], quant.state4_ratio_bound(want, t_opt.state[w]["exp_avg_sq"]))
     _train(b, opt_b, 1)
 
 
