@@ -1,9 +1,12 @@
 """lpoptim inside torchtitan (lpoptim/integrations/torchtitan.py), on the CPU: skipped without torchtitan.
 
-torchtitan's llama3 debug model is built from its config registry with the converter; its FlexAttention has no
-CPU backward, so the tests swap the inner attention for torchtitan's SDPA module (causal) and call the model
-without masks. The two-rank test runs torchtitan's parallelize_llama (FSDP2) on gloo.
+torchtitan >= 0.3 (Configurable configs): its llama3 debug model is built from its config registry with the
+converter; its FlexAttention has no CPU backward, so the tests swap the inner attention for torchtitan's SDPA
+module (causal) and call the model without masks. The two-rank test runs torchtitan's parallelize_llama (FSDP2) on
+gloo. torchtitan 0.2 (JobConfig): its config manager, converter and train-spec registries, in a subprocess (its
+train-spec module imports ``datasets``, given a stand-in there where it is not installed).
 """
+import importlib.util
 import os
 import subprocess
 import sys
@@ -12,16 +15,40 @@ import textwrap
 import pytest
 import torch
 
-pytest.importorskip("torchtitan.models.llama3", reason="torchtitan is not installed")
+pytest.importorskip("torchtitan", reason="torchtitan is not installed")
+CONFIGURABLE = importlib.util.find_spec("torchtitan.config.configurable") is not None  # torchtitan >= 0.3
+needs_configurable = pytest.mark.skipif(not CONFIGURABLE, reason="torchtitan < 0.3 (JobConfig)")
+needs_jobconfig = pytest.mark.skipif(CONFIGURABLE, reason="torchtitan >= 0.3 (Configurable configs)")
 
-from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig  # noqa: E402
-from torchtitan.models.common.attention import GQAttention, ScaledDotProductAttention  # noqa: E402
-from torchtitan.models.llama3 import model_registry  # noqa: E402
+if CONFIGURABLE:
+    from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+    from torchtitan.models.common.attention import GQAttention, ScaledDotProductAttention
+    from torchtitan.models.llama3 import model_registry
+
+    from lpoptim.integrations.torchtitan import (LpoptimConverter, LpoptimLinear, LpoptimOptimizersContainer,
+                                                 lpoptim_adamw)
 
 import lpoptim  # noqa: E402
 from lpoptim.activations import is_wrapped  # noqa: E402
-from lpoptim.integrations.torchtitan import (LpoptimConverter, LpoptimLinear, LpoptimOptimizersContainer,  # noqa: E402
-                                             lpoptim_adamw)
+
+# torchtitan's trainer and train-spec modules import `datasets` (for its HF dataloader); subprocesses get this
+# stand-in where it is not installed, which nothing in them calls
+STAND_IN = textwrap.dedent("""
+    import sys, types
+    try:
+        import datasets
+    except ImportError:
+        d, dd = types.ModuleType("datasets"), types.ModuleType("datasets.distributed")
+        d.Dataset, d.load_dataset, dd.split_dataset_by_node, d.distributed = object, None, None, dd
+        sys.modules.update({"datasets": d, "datasets.distributed": dd})
+""")
+
+
+def run_python(code: str):
+    out = subprocess.run([sys.executable, "-c", STAND_IN + textwrap.dedent(code)], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
 
 VOCAB = 2048  # the debug model's
 
@@ -52,6 +79,7 @@ def loss_of(model, seed=1):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
+@needs_configurable
 def test_converter_converts_layer_linears_and_trains():
     model = build(cpu_model_config([LpoptimConverter.Config()]))
     conv = lpoptim.nn.converted(model)
@@ -74,6 +102,7 @@ def test_converter_converts_layer_linears_and_trains():
     assert loss.item() == pytest.approx(loss_of(ref).item(), rel=0.02)
 
 
+@needs_configurable
 def test_converter_options():
     plain = lpoptim.nn.converted(build(cpu_model_config([LpoptimConverter.Config(recipe=None)])))
     assert plain == {}
@@ -88,6 +117,7 @@ def test_converter_options():
         LpoptimConverter.Config(activation_options={"no_such_option": 1}).build()
 
 
+@needs_configurable
 def test_activation_checkpointing_is_refused():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     model = build(cpu_model_config([LpoptimConverter.Config(recipe=None)]))
@@ -96,6 +126,7 @@ def test_activation_checkpointing_is_refused():
         loss_of(model)
 
 
+@needs_configurable
 def test_optimizer_selected_from_config_steps_and_round_trips():
     # recipe fp8 (current scaling): fp8_delayed's absmax history is not in any state dict, so a resumed model
     # would scale its first steps differently
@@ -138,18 +169,11 @@ def test_optimizer_selected_from_config_steps_and_round_trips():
         assert torch.equal(p, p2), n
 
 
+@needs_configurable
 def test_config_registry_entry():
     """``--module lpoptim.integrations.torchtitan --config llama3_debugmodel_lpoptim`` through torchtitan's
-    ConfigManager (in a subprocess: torchtitan's trainer module imports ``datasets`` for its HF dataloader; where
-    that is not installed, the subprocess gives it a stand-in, which nothing here calls)."""
-    code = textwrap.dedent("""
-        import sys, types
-        try:
-            import datasets
-        except ImportError:
-            d, dd = types.ModuleType("datasets"), types.ModuleType("datasets.distributed")
-            d.Dataset, d.load_dataset, dd.split_dataset_by_node, d.distributed = object, None, None, dd
-            sys.modules.update({"datasets": d, "datasets.distributed": dd})
+    ConfigManager (in a subprocess: its trainer module imports ``datasets``)."""
+    run_python("""
         from torchtitan.config import ConfigManager
         from lpoptim.integrations.torchtitan import LpoptimLinear, LpoptimOptimizersContainer
         cfg = ConfigManager().parse_args(["--module", "lpoptim.integrations.torchtitan", "--config",
@@ -162,8 +186,6 @@ def test_config_registry_entry():
         assert type(cfg.model_spec.model.layers[0].feed_forward.w1) is LpoptimLinear.Config
         print("ok")
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
 def _fsdp_worker(rank, init_file, out_dir):
@@ -215,6 +237,7 @@ def _fsdp_worker(rank, init_file, out_dir):
     dist.destroy_process_group()
 
 
+@needs_configurable
 @pytest.mark.slow
 def test_fsdp2_two_ranks_gloo(tmp_path):
     import torch.multiprocessing as mp
@@ -222,3 +245,79 @@ def test_fsdp2_two_ranks_gloo(tmp_path):
                        start_method="spawn")
     l0, l1 = (torch.load(tmp_path / f"losses{r}.pt") for r in (0, 1))
     assert len(l0) == 2 and all(torch.isfinite(torch.tensor(l0 + l1)))
+
+
+@needs_jobconfig
+def test_jobconfig_converter_optimizer_and_state_dict():
+    """torchtitan 0.2: flags through its ConfigManager (with lpoptim's custom config module), the converter from
+    its registry on the llama3 debug model of the registered train spec, lpoptim.AdamW from that spec's optimizer
+    builder; a step, and the container's state dict (torch's flattened DCP form) into a fresh one."""
+    run_python("""
+        import importlib, torch
+        from torchtitan.config import ConfigManager
+        M = "lpoptim.integrations.torchtitan"
+        jc = ConfigManager().parse_args([
+            "--job.custom_config_module", M, "--experimental.custom_import", M, "--model.name", "llama3_lpoptim",
+            "--model.converters", "lpoptim", "--optimizer.name", "lpoptim.AdamW", "--optimizer.state_bits", "4",
+            "--activation_checkpoint.mode", "none", "--lpoptim.recipe", "fp8", "--compile.enable"])
+        assert jc.optimizer.state_bits == 4 and jc.optimizer.lr == 8e-4 and jc.lpoptim.recipe == "fp8"
+        importlib.import_module(jc.experimental.custom_import)  # what torchtitan's Trainer does first
+        import lpoptim
+        from lpoptim.activations import is_wrapped
+        from torchtitan.protocols.model_converter import build_model_converters
+        from torchtitan.protocols.train_spec import get_train_spec
+        spec = get_train_spec(jc.model.name)
+
+        def build(seed):
+            with torch.device("meta"):
+                model = spec.model_cls(spec.model_args["debugmodel"])
+            build_model_converters(jc, None).convert(model)
+            model.to_empty(device="cpu")
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                model.init_weights(buffer_device=None)
+            return model
+
+        model = build(0)
+        # the blocks are compiled inside the FP8 wrapper, so torchtitan's own block compile is taken out
+        assert jc.compile.components == ["loss"]
+        conv = lpoptim.nn.converted(model)
+        assert len(conv) == 6 * 7 and set(conv.values()) == {"fp8"} and "output" not in conv
+        assert all(is_wrapped(b) for b in model.layers.values())
+        for b in model.layers.values():  # eager here: compiling on the CPU takes long, and is not what is tested
+            b.forward.run, b.forward.compile = b.forward.original, False
+        opt = spec.build_optimizers_fn([model], jc.optimizer, None)
+        (o,) = opt.optimizers
+        assert isinstance(o, lpoptim.AdamW) and o.defaults["state_bits"] == 4
+
+        def step(m, optim, seed):
+            tok = torch.randint(0, 2048, (2, 33), generator=torch.Generator().manual_seed(seed))
+            out = m(tok[:, :-1])
+            torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), tok[:, 1:].flatten()).backward()
+            optim.step()
+            optim.zero_grad()
+
+        step(model, opt, 1)
+        sd = opt.state_dict()
+        assert any(k.endswith("exp_avg_codes4") for k in sd)
+        model2 = build(3)
+        model2.load_state_dict(model.state_dict())
+        for b in model2.layers.values():
+            b.forward.run, b.forward.compile = b.forward.original, False
+        opt2 = spec.build_optimizers_fn([model2], jc.optimizer, None)
+        opt2.load_state_dict({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()})
+        for m, optim in ((model, opt), (model2, opt2)):
+            step(m, optim, 2)
+        for (n, p), p2 in zip(model.named_parameters(), model2.parameters()):
+            assert torch.equal(p, p2), n
+
+        # FP8 activations with activation checkpointing on: refused when the converter is built
+        jc.activation_checkpoint.mode = "selective"
+        try:
+            build_model_converters(jc, None)
+        except ValueError as e:
+            assert "activation_checkpoint" in str(e)
+        else:
+            raise AssertionError("not refused")
+        print("ok")
+    """)

@@ -1,15 +1,4 @@
-"""lpoptim in torchtitan (0.3, its ``Configurable`` configs): a model converter and an optimizer container.
-
-    from lpoptim.integrations.torchtitan import LpoptimConverter, lpoptim_adamw, use_lpoptim
-
-    config.model_spec = model_registry("8B", converters=[LpoptimConverter.Config()])  # as Float8LinearConverter
-    config.optimizer = lpoptim_adamw(lr=3e-4, state_bits=8)                            # as default_adamw
-    config.activation_checkpoint = None       # FP8 activations take activation checkpointing's place
-    # or all three on any Trainer.Config:  config = use_lpoptim(llama3_8b())
-
-From the command line, through torchtitan's config registry (``--module`` takes a module path):
-
-    torchrun --nproc_per_node 2 -m torchtitan.train --module lpoptim.integrations.torchtitan --config llama3_8b_lpoptim
+"""lpoptim in torchtitan >= 0.3 (its ``Configurable`` configs); imported by ``lpoptim.integrations.torchtitan``.
 
 - ``LpoptimConverter`` is a torchtitan model converter, applied where torchtitan applies float8: to the model
   config, before the model is built, so parallelism, torch.compile and FSDP2 see lpoptim's modules as they
@@ -18,8 +7,6 @@ From the command line, through torchtitan's config registry (``--module`` takes 
   ``compress_activations`` (what autograd saves in them kept in FP8), one handle over all blocks.
 - ``LpoptimOptimizersContainer`` is torchtitan's OptimizersContainer that also knows the optimizer name
   ``"lpoptim.AdamW"``; ``lpoptim_adamw()`` is its config with torchtitan's default_adamw hyperparameters.
-
-torchtitan is imported here, never by ``import lpoptim``: only this module needs it.
 """
 from __future__ import annotations
 
@@ -31,15 +18,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-try:
-    from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
-    from torchtitan.components.quantization import QuantizationConverter
-    from torchtitan.models.common.linear import Linear
-    from torchtitan.protocols.module import Module
-    from torchtitan.tools.logging import logger
-except ImportError as e:  # pragma: no cover - the tests skip without torchtitan
-    raise ImportError("lpoptim.integrations.torchtitan needs torchtitan >= 0.3 (pip install torchtitan); "
-                      "lpoptim itself does not") from e
+from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+from torchtitan.components.quantization import QuantizationConverter
+from torchtitan.models.common.linear import Linear
+from torchtitan.protocols.module import Module
+from torchtitan.tools.logging import logger
 
 from ..activations import ActivationPolicy, compress_activations
 from ..activations.wrap import _ATTR as _WRAPPED_FORWARD
