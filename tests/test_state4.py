@@ -421,6 +421,26 @@ def test_kernel_found_inf_and_stochastic_rounding_interpreter(_tiles):
     _compare(*_run("cpu", torch.bfloat16, steps=2, sr_salts=[3, 4, 5], shapes=SHAPES[:3]))
 
 
+def test_kernel_steps_a_state_without_the_ratio_bound_as_the_reference(_tiles):
+    """A 4-bit state saved before the groups' ratio bound existed, stepped by the kernel directly: no such bound on
+    that step, one written by it, as the reference does."""
+    from lpoptim.optim.reference import reference_adamw_step
+
+    gen = torch.Generator().manual_seed(4)
+    p = torch.randn(6, 256, generator=gen)
+    s = init_state(p, LAYOUT4, False)
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False)
+    g = torch.randn(p.shape, generator=gen)
+    reference_adamw_step(p, g, s, LAYOUT4, state_salt=3, **hyper)
+    del s["ratio_bound_scale"]
+    rp, rs = p.clone(), {k: v.clone() for k, v in s.items()}
+    g = torch.randn(p.shape, generator=gen)
+    kernel.fused_adamw_step([(p, g, s, LAYOUT4)], state_salts=[3], **hyper)
+    reference_adamw_step(rp, g, rs, LAYOUT4, state_salt=3, **hyper)
+    assert s.keys() == rs.keys() and all(torch.equal(s[k], rs[k]) for k in s)
+    assert (s["ratio_bound_scale"] > 0).all()
+
+
 def test_kernel_nan_gradient_stays_in_its_element(_tiles):
     _nan_gradient_stays_in_its_element("cpu")
 

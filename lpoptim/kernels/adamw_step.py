@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover - triton is a dependency, but keep the r
 
 from ..formats import get_format
 from ..quant import (K_MANT_BITS, K_MASK, K_MAX_EXP, K_MIN_EXP, K_ONE, K_SLACK_BITS, adam_bound_args,
-                     expansion_floor, inv_max, log2_max)
+                     expansion_floor, inv_max, log2_max, num_groups)
 
 # the address table's columns: param, grad, then (codes, scale) of exp_avg, exp_avg_sq, max_exp_avg_sq, then the
 # step count (fp32, 0-dim; the kernel works out the bias corrections from it), then 4-bit states' groups' ratio
@@ -430,7 +430,12 @@ def fused_adamw_step(batch, *, lr, beta1, beta2, eps, weight_decay, amsgrad, max
     its tensor, which both stochastic roundings draw by (0 where None)."""
     subsets: dict = {}
     for i, item in enumerate(batch):
-        p, _g, _s, layout = item
+        p, _g, s, layout = item
+        if layout.quantized and layout.state_bits == 4 and "ratio_bound_scale" not in s:
+            # a 4-bit state saved before the groups' ratio bound existed: none yet (0), this step writes one (as
+            # the reference; lpoptim.AdamW adds it when it prepares the parameter)
+            s["ratio_bound_scale"] = torch.zeros(num_groups(p.shape, layout.group_size), dtype=torch.float32,
+                                                 device=p.device)
         even = (p.shape[-1] if p.dim() else 1) % layout.group_size == 0
         subsets.setdefault((p.device, p.dtype, layout, even), []).append(
             (item, None if sr_salts is None else sr_salts[i],
