@@ -1,35 +1,39 @@
 """torchtitan's own trainer run side by side: its AdamW, its float8 + AdamW, and lpoptim (converter + lpoptim.AdamW).
 
-    pip install --no-deps lab/wheels/*.whl    # torchtitan 0.3.0 and what it imports, torchao 0.18 (for float8)
-    python benchmarks/torchtitan_bench.py --nproc 2 --out results/torchtitan_llama3_8b_2gpu.json
+    python -m pip install --no-deps lab/wheels/*.whl    # torchtitan 0.2.2 and what it imports, torchao 0.18
+    python benchmarks/torchtitan_bench.py --gpus 2 --out results/torchtitan_llama2_7b_2gpu.json
 
-Each run (--variants) is its own ``torchrun`` (fresh processes and caches) of torchtitan's ``Trainer`` with the
-config of torchtitan's ``llama3_8b`` (AdamW lr 3e-4, betas (0.9, 0.95), weight decay 0.1, gradient clipping at
-1.0, chunked cross-entropy, FSDP2 over all GPUs, bf16 compute with fp32 gradient reduction, selective
-activation checkpointing, CUDA graphs for forward and backward), changed only in what follows:
+Each run (--variants) is its own ``torchrun`` (fresh processes and caches) of torchtitan's ``Trainer``, with the
+installed torchtitan's configuration: 0.2 (JobConfig; torchtitan 0.3 needs a torch newer than 2.11) or 0.3
+(Configurable configs). Common to all runs: AdamW hyperparameters of torchtitan's llama3 8B recipe (lr 3e-4,
+betas (0.9, 0.95), weight decay 0.1), gradient clipping at 1.0, FSDP2 over all GPUs with bf16 compute and fp32
+gradient reduction, batch 1 x ``--seq-len`` 2048 per GPU, each block compiled (``compile.enable``; the loss
+too), selective activation checkpointing (``--ac``) for the torchtitan runs, synthetic tokens (a pool of 8
+fixed batches per rank, cycled; nothing downloaded; torchtitan imports ``datasets`` for its HF dataloader, unused
+here: where it is not installed a stand-in module takes its place), no checkpoints, profiler, tensorboard or
+validation.
 
-- model: torchtitan's llama3 ``--flavor`` (default 8B; ``--layers N`` keeps its first N blocks, for a quick
-  check), batch 1 x ``--seq-len`` 2048 per GPU, each block compiled (``compile.enable``, torchtitan's
-  components: model and loss);
-- data: synthetic tokens (a pool of 8 fixed batches per rank, cycled, so the loss falls) and a stand-in
-  tokenizer: nothing is downloaded. torchtitan imports ``datasets`` for its HF dataloader, unused here; where
-  it is not installed a stand-in module takes its place;
-- no checkpoints, profiler, tensorboard or validation.
+- torchtitan 0.2: torchtitan's llama3 train spec with the synthetic dataloader, no tokenizer (its SDPA attention
+  needs none) and one more flavor, ``llama2_7b`` (Llama-2-7B's shape: 32 layers, d 4096, ffn 11008, 32 heads,
+  vocab 32000), the default ``--flavor``; torchtitan's flags are recorded in the JSON.
+- torchtitan 0.3: the Trainer of its ``llama3_8b`` config (chunked cross-entropy, CUDA graphs for forward and
+  backward unless ``--no-cuda-graphs``), flavor 8B by default, a stand-in tokenizer.
+- ``--layers N`` keeps the first N blocks (quick checks).
 
 Variants:
 - ``adamw``: torchtitan as above.
-- ``float8``: plus torchtitan's Float8LinearConverter (torchao, rowwise recipe, the LM head kept in bf16, as in
-  torchtitan's llama3_405b config).
-- ``lpoptim``: lpoptim.integrations.torchtitan.use_lpoptim: LpoptimConverter (fp8_delayed linears, the LM head
-  kept; FP8 saved activations instead of activation checkpointing) and lpoptim.AdamW (FP8 states); fp32 masters.
+- ``float8``: plus torchtitan's float8 converter (torchao, rowwise recipe, the output head kept in bf16, as in
+  torchtitan's 405B recipe).
+- ``lpoptim``: lpoptim's converter (fp8_delayed linears, the head kept; FP8 saved activations instead of
+  activation checkpointing) and lpoptim.AdamW (FP8 states); fp32 masters as torchtitan.
 - ``lpoptim_bf16``: ``lpoptim`` with torchtitan's ``training.dtype=bfloat16`` (bf16 parameters and gradients, no
   fp32 copy) and lpoptim's bf16_stochastic_round.
 - ``lpoptim_noact``, ``lpoptim_bf16_noact``: without FP8 activations, torchtitan's activation checkpointing kept.
 
 Timing: every train step between device synchronizations (the slowest rank's time); tokens/s per GPU is the
-tokens of one GPU's batch over the median step after ``--warmup`` steps (compilation and CUDA-graph capture
-happen there). Peak memory: torch.cuda.max_memory_allocated and max_memory_reserved over the whole run (model,
-gradients, optimizer states, activations, communication buffers), the maximum over ranks. Ratios are against
+tokens of one GPU's batch over the median step after ``--warmup`` steps (compilation happens in the first).
+Peak memory: torch.cuda.max_memory_allocated and max_memory_reserved over the whole run (model, gradients,
+optimizer states, activations, communication buffers), the maximum over ranks. Ratios are against
 ``--baseline`` (float8) from the same invocation. The JSON records versions and the device.
 """
 from __future__ import annotations
@@ -54,10 +58,11 @@ POOL = 8  # synthetic batches per rank
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(VARIANTS + ("lpoptim_bf16_noact",)))
     p.add_argument("--baseline", default="float8")
-    p.add_argument("--nproc", type=int, default=2, help="GPUs (torchrun --nproc_per_node)")
-    p.add_argument("--flavor", default="8B", help="torchtitan llama3 flavor (8B, 1B, 3B, debugmodel, ...)")
+    p.add_argument("--gpus", type=int, default=2, help="processes, one per GPU (torchrun --nproc_per_node)")
+    p.add_argument("--flavor", default=None, help="torchtitan llama3 flavor (8B, debugmodel, ...) or llama2_7b "
+                   "(torchtitan 0.2 only; its default there; 8B with 0.3)")
     p.add_argument("--layers", type=int, default=None, help="keep the first N blocks (quick checks)")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch", type=int, default=1, help="local batch size (per GPU)")
@@ -75,6 +80,9 @@ def parse(argv=None):
     p.add_argument("--variant", help=argparse.SUPPRESS)  # worker mode (under torchrun)
     p.add_argument("--part", type=Path, help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+WORKER_ARGS = "LPOPTIM_TT_BENCH_ARGS"  # the worker's argv, as JSON: kept off torchrun's own command line
 
 
 def stand_in_datasets():
@@ -142,6 +150,22 @@ def synthetic_components(vocab: int):
     return SyntheticTokenizer.Config(), SyntheticDataLoader.Config()
 
 
+def CONFIGURABLE() -> bool:
+    """torchtitan >= 0.3 (Configurable configs) rather than 0.2 (JobConfig)."""
+    import importlib.util
+    return importlib.util.find_spec("torchtitan.config.configurable") is not None
+
+
+def make_trainer(args, variant: str):
+    """torchtitan >= 0.3: the Trainer of llama3_8b's config, changed as the module docstring says."""
+    config = make_config(args, variant)
+    info = {"activation_checkpoint": type(config.activation_checkpoint).__qualname__
+            if config.activation_checkpoint is not None else None,
+            "training_dtype": config.training.dtype, "cuda_graphs": not config.training.disable_cuda_graphs,
+            "spmd_backend": config.parallelism.spmd_backend, "torchtitan_api": "configurable"}
+    return config.build(), info
+
+
 def make_config(args, variant: str):
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.config import CompileConfig
@@ -157,7 +181,9 @@ def make_config(args, variant: str):
     if variant == "float8":
         from torchtitan.components.quantization import Float8LinearConverter
         converters = [Float8LinearConverter.Config(filter_fqns=["lm_head"], model_compile_enabled=compile_on)]
-    config.model_spec = model_registry(args.flavor, converters=converters)
+    if args.flavor == "llama2_7b":
+        raise SystemExit("--flavor llama2_7b is provided on torchtitan 0.2 only; use 8B")
+    config.model_spec = model_registry(args.flavor or "8B", converters=converters)
     if args.layers:
         config.model_spec.model.layers = config.model_spec.model.layers[:args.layers]
     vocab = decoder_vocab_size(config.model_spec)
@@ -191,6 +217,99 @@ def make_config(args, variant: str):
     return config
 
 
+LLAMA2_7B = dict(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, multiple_of=256, rope_theta=10000)
+
+
+def make_trainer_jobconfig(args, variant: str):
+    from torchtitan.train import Trainer
+    job_config, info = jobconfig_for(args, variant)
+    trainer = Trainer(job_config)
+    # as built: lpoptim's converter compiles the blocks itself, inside its FP8 wrapper, and takes "model" out
+    info["compile_components"] = list(job_config.compile.components) if job_config.compile.enable else []
+    return trainer, info
+
+
+def jobconfig_for(args, variant: str):
+    """torchtitan 0.2: torchtitan's Trainer from its JobConfig flags (its llama3 8B recipe's values: AdamW lr 3e-4,
+    selective activation checkpointing, FSDP2 with bf16 compute and fp32 reduction), on a train spec that is
+    torchtitan's llama3 with synthetic data, no tokenizer (its SDPA attention needs none) and the flavor
+    llama2_7b (Llama-2-7B's shape: 32 layers, d 4096, ffn 11008, 32 heads, vocab 32000)."""
+    import dataclasses
+    import torch
+    from torchtitan.components.dataloader import BaseDataLoader
+    from torchtitan.config import ConfigManager
+    from torchtitan.models.llama3.model.args import TransformerModelArgs
+    from torchtitan.protocols.train_spec import _extra_train_specs, get_train_spec, register_train_spec
+
+    class SyntheticDataLoader(BaseDataLoader):
+        def __init__(self, vocab, dp_rank, batch, seq_len):
+            g = torch.Generator().manual_seed(1234 + dp_rank)
+            self.pool = torch.randint(0, vocab, (POOL, batch, seq_len + 1), generator=g)
+            self.i = 0
+
+        def __iter__(self):
+            while True:
+                t = self.pool[self.i % POOL]
+                self.i += 1
+                yield {"input": t[:, :-1].clone()}, t[:, 1:].clone()
+
+        def state_dict(self):
+            return {"i": self.i}
+
+        def load_state_dict(self, sd):
+            self.i = sd["i"]
+
+    flavor = args.flavor or "llama2_7b"
+    base = get_train_spec("llama3")
+    flavors = dict(base.model_args)
+    flavors["llama2_7b"] = TransformerModelArgs(**LLAMA2_7B)
+    if args.layers:
+        flavors[flavor] = dataclasses.replace(flavors[flavor], n_layers=args.layers)
+    vocab = flavors[flavor].vocab_size
+
+    def build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, **_):
+        return SyntheticDataLoader(vocab, dp_rank, job_config.training.local_batch_size, job_config.training.seq_len)
+
+    if "llama3_bench" not in _extra_train_specs:
+        register_train_spec("llama3_bench", dataclasses.replace(
+            base, model_args=flavors, build_dataloader_fn=build_dataloader, build_tokenizer_fn=None,
+            build_validator_fn=None, state_dict_adapter=None))
+    cli = ["--model.name", "llama3_bench", "--model.flavor", flavor,
+           "--training.local_batch_size", str(args.batch), "--training.seq_len", str(args.seq_len),
+           "--training.steps", str(args.warmup + args.steps), "--optimizer.lr", "3e-4",
+           "--lr_scheduler.warmup_steps", "2", "--activation_checkpoint.mode", args.ac,
+           "--job.dump_folder", tempfile.mkdtemp(prefix="tt_bench_")]
+    if not args.no_compile:
+        cli.append("--compile.enable")
+    if variant == "float8":
+        cli += ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise",
+                "--quantize.linear.float8.filter_fqns", "output"]
+    elif variant.startswith("lpoptim"):
+        sys.path.insert(0, str(ROOT))
+        from lpoptim.integrations.torchtitan import register_lpoptim_train_spec
+        base_v, bf16, act = variant.removesuffix("_noact"), "_bf16" in variant, not variant.endswith("_noact")
+        if base_v not in VARIANTS:
+            raise SystemExit(f"unknown variant {variant!r}")
+        m = "lpoptim.integrations.torchtitan"
+        cli += ["--job.custom_config_module", m, "--experimental.custom_import", m,
+                "--model.name", register_lpoptim_train_spec("llama3_bench"), "--model.converters", "lpoptim",
+                "--optimizer.name", "lpoptim.AdamW", "--optimizer.state_bits", str(args.lp_state_bits),
+                "--lpoptim.recipe", args.lp_recipe]
+        if act:
+            cli += ["--activation_checkpoint.mode", "none"] + (["--lpoptim.recompute"] if args.lp_recompute else [])
+        else:
+            cli += ["--lpoptim.no-activations"]
+        if bf16:
+            cli += ["--training.dtype", "bfloat16", "--optimizer.bf16_stochastic_round"]
+    elif variant not in VARIANTS:
+        raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    job_config = ConfigManager().parse_args(cli)
+    info = {"activation_checkpoint": job_config.activation_checkpoint.mode, "training_dtype": job_config.training.dtype,
+            "compile_components": list(job_config.compile.components) if job_config.compile.enable else [],
+            "flavor": flavor, "torchtitan_api": "jobconfig", "torchtitan_flags": cli}
+    return job_config, info
+
+
 def worker(args):
     import torch
     import torch.distributed as dist
@@ -198,8 +317,7 @@ def worker(args):
     stand_in_datasets()
     from torchtitan.tools.logging import init_logger
     init_logger()
-    config = make_config(args, args.variant)
-    trainer = config.build()
+    trainer, info = (make_trainer if CONFIGURABLE() else make_trainer_jobconfig)(args, args.variant)
     times, losses = [], []
     train_step, fwd_bwd = trainer.train_step, trainer.forward_backward_step
 
@@ -239,10 +357,7 @@ def worker(args):
                "loss_first": ranks[0]["losses"][0], "loss_last": ranks[0]["losses"][-1],
                "losses_rank0": ranks[0]["losses"], "params": nparams,
                "optimizers": sorted({type(o).__module__ + "." + type(o).__name__ for o in trainer.optimizers}),
-               "activation_checkpoint": type(config.activation_checkpoint).__qualname__
-               if config.activation_checkpoint is not None else None,
-               "training_dtype": config.training.dtype, "cuda_graphs": not config.training.disable_cuda_graphs,
-               "spmd_backend": config.parallelism.spmd_backend}
+               **info}
         args.part.write_text(json.dumps(out, indent=2))
     dist.barrier()
     dist.destroy_process_group()
@@ -262,19 +377,20 @@ def versions():
 
 
 def main(argv=None):
+    if WORKER_ARGS in os.environ:
+        return worker(parse(json.loads(os.environ[WORKER_ARGS])))
     args = parse(argv)
-    if args.variant:
-        return worker(args)
     variants = [v for v in args.variants.split(",") if v]
     results, failed = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for v in variants:
             part = Path(tmp) / f"{v}.json"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-                   __file__, "--variant", v, "--part", str(part), *(argv if argv is not None else sys.argv[1:])]
-            print(f"== {v}: {' '.join(cmd)}", flush=True)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
+                   __file__]
+            wargs = [*(argv if argv is not None else sys.argv[1:]), "--variant", v, "--part", str(part)]
+            print(f"== {v}: {' '.join(cmd)} ({WORKER_ARGS}: {' '.join(wargs)})", flush=True)
             t0 = time.time()
-            rc = subprocess.run(cmd).returncode
+            rc = subprocess.run(cmd, env={**os.environ, WORKER_ARGS: json.dumps(wargs)}).returncode
             if rc == 0 and part.exists():
                 results[v] = json.loads(part.read_text()) | {"wall_s": time.time() - t0}
                 r = results[v]
@@ -294,7 +410,7 @@ def main(argv=None):
                   f"{r['vs_baseline']['peak_allocated']:.3f}x peak allocated vs {args.baseline}")
     meta = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                      if k not in ("variant", "part")},
-            "versions": versions(), "gpus": args.nproc, "baseline": args.baseline, "failed": failed,
+            "versions": versions(), "gpus": args.gpus, "baseline": args.baseline, "failed": failed,
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
