@@ -26,6 +26,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lpoptim.nn.operands as operands  # noqa: E402
+from lpoptim.nn.operands import QuantSpec as S  # noqa: E402
 from benchmarks.timing import back_to_back_ms, timer  # noqa: E402
 from lpoptim.bench import environment  # noqa: E402
 from lpoptim.nn import LowBitLinear  # noqa: E402
@@ -38,12 +39,12 @@ RECIPES = [  # (label, recipe, overrides)
     ("lpoptim fp8 (tensor, fast accum fwd)", "fp8_tensor", {"fast_accum": True}),
     ("lpoptim fp8 (tensor, delayed scaling)", "fp8_delayed", {}),
     ("lpoptim fp4", "fp4", {}),
-    ("lpoptim fp4 no OCC", "fp4", {"occ_alpha": None}),
+    ("lpoptim fp4 (delayed scaling)", "fp4", {"scaling": "delayed"}),
+    ("lpoptim fp4 + DGE", "fp4", {"dge_k": 5.0}),
+    ("lpoptim fp4, the paper's (OCC, DGE, bwd per row)", "fp4", {"occ_alpha": 0.99, "dge_k": 5.0, "bwd_granularity": "row"}),
     ("lpoptim int4 (fp8 bwd per tensor)", "int4", {}),
     ("lpoptim int4 (fp8 bwd per tensor, delayed scaling)", "int4", {"scaling": "delayed"}),
     ("lpoptim int4 (fp8 bwd per row)", "int4", {"bwd_granularity": "row"}),
-    ("lpoptim fp4_fast (no OCC, bwd per tensor)", "fp4_fast", {}),
-    ("lpoptim fp4_fast (no OCC, bwd per tensor, delayed scaling)", "fp4_fast", {"scaling": "delayed"}),
 ]
 TARGETS = {"fp8": 1.45, "fp4": 1.3, "int4": 1.3}
 H100_PEAK = {"bf16": 989e12, "fp8": 1979e12, "hbm": 3.35e12}  # dense tensor-core peaks, HBM3 bandwidth
@@ -144,19 +145,19 @@ def kernel_benchmarks(args, device, dtype, cuda):
     k = 64 if args.small else 4096
     x = torch.randn(m, k, device=device, dtype=dtype)
     cases = [
-        ("e4m3 per row", lambda: operands.quantize_operand(x, "e4m3")),
-        ("e4m3 per row, transposed (saved x for dW)", lambda: operands.quantize_operand(x.t(), "e4m3")),
-        ("e4m3 per tensor, transposed", lambda: operands.quantize_operand(x.t(), "e4m3", "tensor")),
-        ("e5m2 per row (dy)", lambda: operands.quantize_operand(x, "e5m2")),
-        ("e2m1 per row", lambda: operands.quantize_operand(x, "e2m1")),
-        ("int4 + Hadamard 128 per row", lambda: operands.quantize_operand(x, "int4_sym", "row", 64 if args.small else 128)),
-        ("int4 + Hadamard 128, transposed", lambda: operands.quantize_operand(x.t(), "int4_sym", "row", 64 if args.small else 128)),
+        ("e4m3 per row", lambda: operands.quantize(x, S("e4m3"))),
+        ("e4m3 per row, transposed (saved x for dW)", lambda: operands.quantize(x.t(), S("e4m3"))),
+        ("e4m3 per tensor, transposed", lambda: operands.quantize(x.t(), S("e4m3", "tensor"))),
+        ("e5m2 per row (dy)", lambda: operands.quantize(x, S("e5m2"))),
+        ("e2m1 per row", lambda: operands.quantize(x, S("e2m1"))),
+        ("int4 + Hadamard 128 per row", lambda: operands.quantize(x, S("int4_sym", hadamard_block=64 if args.small else 128))),
+        ("int4 + Hadamard 128, transposed", lambda: operands.quantize(x.t(), S("int4_sym", hadamard_block=64 if args.small else 128))),
         # x per row and per column in two passes (fp8 recipe: forward x and saved xᵀ, backward dy and dyᵀ); its
         # bytes: both copies written, x read once
         ("e4m3 rows and columns together (x and saved x for dW)",
-         lambda: operands.quantize_operand_and_transpose(x, "e4m3", "e4m3")),
+         lambda: operands.quantize_pair(x, S("e4m3"), S("e4m3"))),
         ("e4m3 per tensor, rows and columns together",
-         lambda: operands.quantize_operand_and_transpose(x, "e4m3", "e4m3", granularity="tensor")),
+         lambda: operands.quantize_pair(x, S("e4m3", "tensor"), S("e4m3", "tensor"))),
     ]
     for label, fn in cases:
         nbytes = x.numel() * (x.element_size() + (2 if "together" in label else 1))

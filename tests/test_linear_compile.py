@@ -2,10 +2,12 @@
 import pytest
 import torch
 
-from lpoptim.nn import LowBitLinear
+from lpoptim.nn import LowBitLinear, get_recipe
 from lpoptim.nn.compiled import _forward_op, lowbit_linear_op
 
-RECIPES = ["fp8", "fp8_tensor", "fp4", "fp4_fast", "int4"]
+# and Wang et al.'s fp4: outlier clamping, DGE, the backward per row
+RECIPES = ["fp8", "fp8_tensor", "fp4", "int4",
+           pytest.param(get_recipe("fp4", occ_alpha=0.99, dge_k=5.0, bwd_granularity="row"), id="fp4-paper")]
 
 
 def _grads(run, lin, x):

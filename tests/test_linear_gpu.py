@@ -54,11 +54,13 @@ def test_scaled_mm_4bit_is_exact(fmt):
 
 
 @pytest.mark.filterwarnings("error:torch._scaled_mm failed")
-@pytest.mark.parametrize("recipe", ["fp8", "fp8_tensor", "fp4", "fp4_fast", "int4", "int4/bwd_row"])
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_tensor", "fp4", "fp4/paper", "int4", "int4/bwd_row"])
 def test_layer_on_gpu_matches_cpu_reference(recipe):
     torch.manual_seed(0)
-    recipe, _, bwd = recipe.partition("/")
-    overrides = {"bwd_granularity": bwd.removeprefix("bwd_")} if bwd else {}
+    recipe, _, option = recipe.partition("/")
+    # paper: Wang et al.'s fp4 (outlier clamping, DGE, the backward per row)
+    overrides = (dict(occ_alpha=0.99, dge_k=5.0, bwd_granularity="row") if option == "paper" else
+                 {"bwd_granularity": option.removeprefix("bwd_")} if option else {})
     lin = torch.nn.Linear(256, 512).cuda()
     m = LowBitLinear.from_linear(lin, recipe, **overrides)
     x = torch.randn(2, 100, 256, device="cuda", requires_grad=True)
@@ -134,7 +136,7 @@ def test_carried_absmax_matches_a_fresh_one_on_gpu(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_transposed_copy_alone_and_fused_maxima_match_the_reference_on_gpu(dtype):
-    """The per-tensor transposed copy alone (xᵀ, Wᵀ: its own tile) and the row pass's tensor maximum (fp4_fast's
+    """The per-tensor transposed copy alone (xᵀ, Wᵀ: its own tile) and the row pass's tensor maximum (fp4's
     saved xᵀ and W statistic) give the reference's bits, with rows not a multiple of any tile and inf / NaN in x."""
     from lpoptim.quant import finite_absmax
 

@@ -176,14 +176,14 @@ def test_row_pass_leaves_the_tensor_absmax(fmt, transposed):
 
 
 @pytest.mark.parametrize("case", ["fp32", "bf16", "view", "nonfinite", "no_tokens"])
-def test_fp4_fast_saves_the_same_operands_with_the_fused_maxima(monkeypatch, case):
-    """fp4_fast's forward, with x's and W's absmax taken in its row passes (the kernels forced on, run by the
+def test_fp4_saves_the_same_operands_with_the_fused_maxima(monkeypatch, case):
+    """fp4's forward, with x's and W's absmax taken in its row passes (the kernels forced on, run by the
     interpreter), saves the xᵀ operand and W's statistic that the separate passes give, and the same y."""
     from lpoptim.nn import functional, operands
     from lpoptim.nn.functional import FUNCTIONS, _quantize_wt, _save_x_for_dw
     from lpoptim.nn.recipes import get_recipe
 
-    r = get_recipe("fp4_fast")
+    r = get_recipe("fp4")
     x, w = _x(40, 64, False), _x(32, 64, True, seed=2)
     if case == "bf16":
         x = x.to(torch.bfloat16)

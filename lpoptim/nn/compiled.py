@@ -5,7 +5,7 @@ under compilation lowbit_linear calls ``lpoptim::lowbit_linear`` (forward: y and
 registered backward ``lpoptim::lowbit_linear_backward``: opaque ops with fake (meta) implementations giving
 their outputs' shapes, so Inductor compiles and schedules everything around them. The arithmetic is the eager
 path's (functional.lowbit_forward / lowbit_backward); only the 4-bit recipes come here (the fp8 ones are traced),
-and the ops do not carry W's statistic (fp4_fast's absmax) to the backward, which takes it again.
+and the ops do not carry W's statistic (fp4's absmax) to the backward, which takes it again.
 
 Recipes are frozen dataclasses, which custom ops cannot take: they travel as ``Recipe.key`` (their repr), read
 back from recipes.BY_KEY.

@@ -46,7 +46,7 @@ def _quantize_wt(w, r: Recipe, w_stat, hw=None) -> Operand:
 
 
 def _fp4_forward_and_xt(x2, w, r: Recipe, out_dtype):
-    """The E2M1 forward GEMM (x and W per row; fp4_fast) and, for an fp8 backward per tensor, the saved xᵀ and
+    """The E2M1 forward GEMM (x and W per row; fp4) and, for an fp8 backward per tensor, the saved xᵀ and
     W's absmax (the backward's Wᵀ scale): both maxima taken by the row quantizers' first passes, so neither xᵀ nor
     Wᵀ needs an absmax pass of its own. (None, None, None) for other backwards."""
     if r.backward_granularity != "tensor":
@@ -135,9 +135,9 @@ class _LowBitLinearFunction(torch.autograd.Function):
 def lowbit_forward(x2, w, bias, r: Recipe, out_dtype: torch.dtype, want_xt: bool, histories=None):
     """y = x2 Wᵀ + b in ``out_dtype`` with the recipe's forward GEMM, and (when ``want_xt``) the saved xᵀ operand
     for dW and W's statistic for the backward's Wᵀ (fp8: per row on CUDA its column maxima, per tensor its absmax;
-    fp4_fast: its absmax; else None). ``histories``: (x's, dy's, W's) nn.delayed.AmaxHistory for delayed
+    fp4: its absmax; else None). ``histories``: (x's, dy's, W's) nn.delayed.AmaxHistory for delayed
     scaling; x's is taken once, by the per-tensor quantization of x (fp8 per tensor: x and xᵀ together; per-row
-    forwards: the saved xᵀ), except fp4_fast's, whose xᵀ comes with x's absmax from the row quantizer (only dy is
+    forwards: the saved xᵀ), except fp4's, whose xᵀ comes with x's absmax from the row quantizer (only dy is
     delayed); W's by an fp8 forward per tensor (its scale also Wᵀ's in backward)."""
     fn = FUNCTIONS[r.fwd_fmt]
     hx, hw = (histories[0], histories[2]) if histories is not None else (None, None)
@@ -210,7 +210,7 @@ class Fp4LinearFunction(_LowBitLinearFunction):
 
     @staticmethod
     def forward_gemm_and_xt(x2, w, r, out_dtype, hx=None, hw=None):
-        # per-row E2M1 without outlier clamping (fp4_fast): the fused 4-bit path
+        # per-row E2M1 without outlier clamping (fp4): the fused 4-bit path
         if r.occ_alpha is not None or r.granularity != "row":
             return None, None, None
         return _fp4_forward_and_xt(x2, w, r, out_dtype)
