@@ -130,7 +130,7 @@ INT4 = Recipe("int4", fwd_fmt="int4_sym", hadamard_block=128, bwd_granularity="t
 RECIPES = {r.name: r for r in (FP8, FP8_TENSOR, FP8_TENSOR_FAST, FP8_DELAYED, FP4, INT4)}
 # the short names published benchmark commands used; accepted everywhere a recipe name is
 ALIASES = {"fp8t": "fp8_tensor", "fp8tf": "fp8_tensor_fast", "fp8d": "fp8_delayed"}
-# the default of convert_linears, LowBitLinear and the docs: the fastest fp8 recipe measured (1.54-1.66x compiled
+# the default of convert_linears, LowBitLinear and the docs: the fastest fp8 recipe measured (1.53-1.58x compiled
 # bf16 per layer on an H100, docs/results/linear_h100.json) at torch AdamW's quality (README's results table)
 DEFAULT_RECIPE = "fp8_delayed"
 
