@@ -65,21 +65,24 @@ def lpoptim_roundtrip(x):
     return quant.dequantize_state(*quant.quantize_state(x), group_size=128)
 
 
-def lpoptim_roundtrip4(x, step, second=False, salt=2):
-    """The shipped 4-bit codec (quant.quantize_state4 / dequantize_state4): m to nearest, v rounded
-    stochastically with the noise lpoptim.AdamW draws (stochastic_round.v_noise_key of the step and a salt)."""
-    noise = uniform_noise(x.shape, v_noise_key(torch.tensor(float(step)), salt)) if second else None
-    return quant.dequantize_state4(*quant.quantize_state4(x, second, noise=noise), x.shape, second)
+def lpoptim_roundtrip4(m, v, step, salt=2):
+    """The shipped 4-bit codec (quant.quantize_state4_moments / dequantize_state4): m to nearest, v rounded
+    stochastically with the noise lpoptim.AdamW draws (stochastic_round.v_noise_key of the step and a salt), its
+    code raised to the group's ratio bound at encode."""
+    noise = uniform_noise(v.shape, v_noise_key(torch.tensor(float(step)), salt))
+    mc, ms, vc, vs = quant.quantize_state4_moments(m, v, noise=noise)
+    return quant.dequantize_state4(mc, ms, m.shape, False), quant.dequantize_state4(vc, vs, v.shape, True)
 
 
 def group_ratio_inv(m, v, slack=1.0, bf16=False):
-    """Per element, 1 / (slack · r2) of its group, r2 the group's largest m^2 / v (quant.state4_ratio_bound, what
-    state_bits=4 stores; ``bf16``: r2 rounded up to bf16 as a 2-byte alternative); 0 where r2 is 0 (no bound)."""
+    """Per element, 1 / (slack · r2) of its group, r2 the group's largest m^2 / v (quant.state4_ratio_bound;
+    ``bf16``: r2 rounded up to bf16 as a 2-byte alternative); 0 where r2 is 0 or inf (no bound)."""
     r2 = quant.state4_ratio_bound(m, v)
     if bf16:
         bits = r2.contiguous().view(torch.int32)
         r2 = torch.where(bits > 0x7F7F0000, 0x7F800000, (bits + 0xFFFF) & ~0xFFFF).view(torch.float32)
-    inv = quant.ratio_bound_inv(r2 * slack)
+    r2 = r2 * slack
+    inv = torch.where(r2 > 0, (1.0 / torch.where(r2 > 0, r2, 1.0).double()).float(), torch.zeros_like(r2))
     return quant.from_groups(quant.to_groups(torch.zeros(m.shape), 128) + inv.unsqueeze(-1), m.shape)
 
 
@@ -114,15 +117,15 @@ def simulate(grads, cand, beta1=0.9, beta2=0.99):
         ue = me / bc1 / (ve.sqrt() / bc2 + EPS)
         out.append((u.abs().max().item(), ue.abs().max().item(), ((u - ue).norm() / ue.norm().clamp_min(1e-30)).item()))
         series = 1 + ratio * series
-        # the group's ratio bound (state_bits=4): from the exact moments before rounding, applied at the next decode
-        # (here right after the round trip: the decoder's maxima commute); "at encode": v's code is rounded up to
-        # it instead, nothing stored
+        # the group's ratio bound: from the exact moments before rounding, applied at the next decode (here right
+        # after the round trip: the decoder's maxima commute); "at encode" (what state_bits=4 ships): v's code is
+        # rounded up to it instead, nothing stored
         inv_g = group_ratio_inv(m, v, cand.get("ratio_slack", 1.0), cand.get("ratio_bf16", False)) \
             if cand.get("ratio") or cand.get("ratio_at_encode") else None
         if cand.get("shipped"):
             m, v = lpoptim_roundtrip(m), lpoptim_roundtrip(v)
         elif cand.get("shipped4"):
-            m, v = lpoptim_roundtrip4(m, t), lpoptim_roundtrip4(v, t, second=True)
+            m, v = lpoptim_roundtrip4(m, v, t)
         else:
             m = roundtrip(m, cand["m"], t, salt=1)
             vspec = dict(cand["v"], at_least=m * m * inv_g) if cand.get("ratio_at_encode") else cand["v"]
@@ -294,11 +297,11 @@ CANDIDATES_4BIT = {
         m=INT4_M, v=dict(LIN0, compand=False, sr=True), bound=True, ratio_at_encode=True),
     "the same, v rounded up (not at random) below 2/16 of its absmax (no ratio bound)": dict(
         m=INT4_M, v=dict(LIN0, compand=False, sr=True, round_up_below=2.0), bound=True),
-    # what ships, through lpoptim's own codec (quant.quantize_state4, quant.state4_ratio_bound), not this file's
-    # candidate arithmetic
-    "lpoptim: state_bits=4 (quant.quantize_state4, v rounded stochastically, Adam's bound, the group's ratio bound)":
-        dict(m=dict(INT4_M), v=dict(LIN0, compand=False), shipped4=True, bound=True, ratio=True,
-             extra_bytes=4 / 128),
+    # what ships, through lpoptim's own codec (quant.quantize_state4_moments: the ratio bound at encode), not this
+    # file's candidate arithmetic
+    "lpoptim: state_bits=4 (quant.quantize_state4_moments, v rounded stochastically, its code raised to the "
+    "group's ratio bound at encode, Adam's bound)":
+        dict(m=dict(INT4_M), v=dict(LIN0, compand=False), shipped4=True, bound=True),
 }
 # dominated after the synthetic pass (worse worst case and mean than a kept relative), not run on the real streams
 SYNTHETIC_ONLY_4BIT = {

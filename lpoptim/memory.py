@@ -35,8 +35,8 @@ FACTOR = {(True, False, False): 1.0, (True, False, True): 0.62, (True, True, Fal
 def state_bytes(shape, min_quant_numel: int = 4096, group_size: int = 128, state_bits: int = 8) -> float:
     """lpoptim.AdamW's state bytes for one parameter of this shape (a tensor, its shape, or a number of elements
     for a 1-D one): two moments and the fp32 step count. Quantized moments have one fp32 scale per group of
-    ``group_size`` along the last dimension (a row shorter than a group has one of its own), and 4-bit ones one
-    more fp32 per group (the ratio bound), as lpoptim.state_bytes(opt) counts them after a step."""
+    ``group_size`` along the last dimension (a row shorter than a group has one of its own), as
+    lpoptim.state_bytes(opt) counts them after a step."""
     if isinstance(shape, torch.Tensor):
         shape = shape.shape
     shape = torch.Size([shape] if isinstance(shape, int) else shape)
@@ -45,8 +45,7 @@ def state_bytes(shape, min_quant_numel: int = 4096, group_size: int = 128, state
         return 8.0 * numel + 4
     rows, groups = num_groups(shape, group_size)
     codes = numel if state_bits == 8 else torch.Size(packed_shape(shape)).numel()  # 4 bits: two codes a byte
-    ratio = 4 * rows * groups if state_bits == 4 else 0  # 4 bits: each group's ratio bound, fp32 (optim/state.py)
-    return 2 * (codes + 4 * rows * groups) + ratio + 4
+    return 2 * (codes + 4 * rows * groups) + 4
 
 
 def linear_input_features(block: nn.Module) -> int:

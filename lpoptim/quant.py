@@ -365,12 +365,18 @@ def adam_bound_inv(n: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
 # Encoding multiplies |x| by top/c (one correctly rounded division per group) and rounds to nearest even onto the
 # integers, or stochastically (floor(f + u), u uniform from a hash: state4_noise). Decoding multiplies the integer
 # by 1/top and then by c (m: q · fp32(1/7), exact at q = ±7, so the absmax decodes to itself; v: j · c/16).
-# 0.5 B per moment and element + 4 B per group: 1.0625 B/param at G=128 (1.094 with the groups' ratio bound below).
+# m and v encoded together (quantize_state4_moments, what lpoptim.AdamW does) also keep each group's ratio bound:
+# v's code is raised until no element's decoded m^2 / v exceeds the largest m^2 / v the group's exact moments had
+# (state4_ratio_bound, encode4_v_floor); nothing more is stored.
+# 0.5 B per moment and element + 4 B per group: 1.0625 B/param at G=128.
 
 M4_TOP = 7.0
 V4_TOP = 16.0
 M4_NAN = 8
 M4_INV = torch.tensor(1 / 7, dtype=torch.float32).item()  # 1/7 rounded to fp32
+# the ratio bound's slack: a code whose floor lands within 2^-20 (relative) above an integer is not raised past it,
+# so an exactly representable bound (the group's own largest ratio, decoded exactly) does not cost a grid step
+RATIO_SLACK = 1.0 - 2.0 ** -20
 
 
 def packed_shape(shape) -> tuple[int, ...]:
@@ -405,21 +411,33 @@ def state4_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax >= FP32_MIN_NORMAL, amax.float(), torch.zeros_like(amax, dtype=torch.float32))
 
 
-def encode4_groups(g: torch.Tensor, second: bool, noise: torch.Tensor | None = None):
-    """Groups (R, n, G) fp32 -> (nibbles (R, n, G) int32, scales (R, n) fp32). ``second``: v's grid (j/16,
-    j = 1..16), else m's (q/7, q = -7..7). ``noise``: uniform [0, 1) of g's shape: floor(f + noise), not round(f)."""
+def _encode4(g: torch.Tensor, second: bool, noise: torch.Tensor | None = None, floor: torch.Tensor | None = None):
+    """encode4_groups, and the rounded magnitudes (m: q = round(fmin(|x| · 7/c, 7)), 0..7, 7 for NaN as the
+    kernel's NaN-dropping minimum gives it; v: j, 1..16). ``floor`` (v only; encode4_v_floor): a function of v's
+    16/c per group giving, per element, what j is raised to (its ceil, capped at 16)."""
     amax, _ = group_stats(g)
     scale = state4_scale(amax)
     top = V4_TOP if second else M4_TOP
     inv = torch.where(scale > 0, _div_rn(top, torch.where(scale > 0, scale, 1.0)), 0.0).unsqueeze(-1)
     f = g.abs() * inv  # +-inf: inf (clamped below); a scale-0 group: 0
-    q = torch.floor(f + noise) if noise is not None else torch.round(f)
     if second:
-        j = torch.where(torch.isnan(g), V4_TOP, q.clamp(1.0, V4_TOP))
-        return j.to(torch.int32) - 1, scale
-    q = q.clamp(0.0, M4_TOP).to(torch.int32)
-    nib = int4_to_nibble(torch.where(g < 0, -q, q)).to(torch.int32)
-    return torch.where(torch.isnan(g), M4_NAN, nib), scale
+        q = torch.floor(f + noise) if noise is not None else torch.round(f)
+        j = q.clamp(1.0, V4_TOP)
+        if floor is not None:  # raised to the ratio bound's code (fmax / fmin: a NaN bound raises nothing)
+            j = torch.fmin(torch.fmax(j, torch.ceil(floor(inv))), j.new_full((), V4_TOP))
+        j = torch.where(torch.isnan(g), V4_TOP, j)
+        return j.to(torch.int32) - 1, scale, j
+    f = torch.fmin(f, f.new_full((), M4_TOP))  # as the kernel: the top first (NaN -> 7), then rounded
+    q = torch.floor(f + noise) if noise is not None else torch.round(f)
+    nib = int4_to_nibble(torch.where(g < 0, -q, q).to(torch.int32)).to(torch.int32)
+    return torch.where(torch.isnan(g), M4_NAN, nib), scale, q
+
+
+def encode4_groups(g: torch.Tensor, second: bool, noise: torch.Tensor | None = None):
+    """Groups (R, n, G) fp32 -> (nibbles (R, n, G) int32, scales (R, n) fp32). ``second``: v's grid (j/16,
+    j = 1..16), else m's (q/7, q = -7..7). ``noise``: uniform [0, 1) of g's shape: floor(f + noise), not round(f)."""
+    nib, scale, _ = _encode4(g, second, noise)
+    return nib, scale
 
 
 def decode4_groups(nibbles: torch.Tensor, scale: torch.Tensor, second: bool) -> torch.Tensor:
@@ -432,7 +450,8 @@ def decode4_groups(nibbles: torch.Tensor, scale: torch.Tensor, second: bool) -> 
 
 
 def quantize_state4(x: torch.Tensor, second: bool, group_size: int = 128, noise: torch.Tensor | None = None):
-    """A moment tensor -> (uint8 packed codes (packed_shape(x.shape)), fp32 scales (R, groups per row))."""
+    """A moment tensor -> (uint8 packed codes (packed_shape(x.shape)), fp32 scales (R, groups per row)), on its
+    own (no ratio bound: quantize_state4_moments encodes m and v with it)."""
     n = None if noise is None else to_groups(noise.float(), group_size)
     nib, scale = encode4_groups(to_groups(x.float(), group_size), second, n)
     return pack_codes4(from_groups(nib, x.shape)), scale
@@ -444,41 +463,49 @@ def dequantize_state4(codes: torch.Tensor, scale: torch.Tensor, shape, second: b
     return from_groups(decode4_groups(nib, scale, second), shape)
 
 
-# ---- the group's ratio bound (state_bits=4) ------------------------------------------------------------------
+# ---- the group's ratio bound, at encode (state_bits=4) ---------------------------------------------------------
 # Adam's bound at decode (adam_bound_inv) caps every element's m^2 / v at K_t, the most any gradient stream can
 # give; a 4-bit v that rounds down a grid step beside a large m still steps up to ~2x further than exact Adam.
-# So the encoder also keeps, per group of G along the last dim, the largest m^2 / v its exact fp32 moments had
-# (r2, fp32: 4 bytes per group, as a scale), and the next decode raises v to m^2 / r2 where rounding left
-# it below: no element's decoded m^2 / v exceeds what its group exactly had. Chosen on the worst step and the mean
-# update error (benchmarks/state_quant_error.py --bits 4, docs/optimizer.md); missing (states saved before it) or
-# 0 means no such bound.
+# So the encoder, which has a group's exact fp32 m and v, takes their largest m^2 / v (r2) and raises v's code j
+# (after its stochastic rounding) to at least ceil(16 · m_q^2 / (r2 · c)), m_q the decoded m and c v's scale (capped
+# at 16): no element's decoded m^2 / v then exceeds what its group exactly had, and nothing is stored for it.
+# Chosen on the worst step and the mean update error (benchmarks/state_quant_error.py --bits 4, docs/optimizer.md).
 def ratio_bound_elements(m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """m^2 / v per element, as the kernel computes it ((m·m)·(1/v), fp32): inf where v is 0 beside a non-zero m,
-    0 where m is 0, 0 where either is NaN (a NaN is left out of its group's bound, as of its scale)."""
-    e = torch.where(m != 0, (m * m) * torch.reciprocal(v), torch.zeros_like(m))
+    0 where m is 0 and v is not, 0 where m and v are 0 or either is NaN (a NaN is left out of its group's bound,
+    as of its scale)."""
+    e = (m * m) * torch.reciprocal(v)
     return torch.where(torch.isnan(e), torch.zeros_like(e), e)
 
 
 def state4_ratio_bound(m: torch.Tensor, v: torch.Tensor, group_size: int = 128) -> torch.Tensor:
     """The largest m^2 / v of each group of the exact fp32 moments (ratio_bound_elements), fp32, shaped as the
-    scales (R, groups per row)."""
+    scales (R, groups per row): 0 (no live m) and inf (v = 0 beside a live m) mean no bound."""
     return to_groups(ratio_bound_elements(m.float(), v.float()), group_size).amax(dim=-1)
 
 
-def ratio_bound_inv(r2: torch.Tensor | None) -> torch.Tensor | None:
-    """1 / r2 per group in fp32 (what a decoded v is raised to, times m^2), 0 where r2 is 0 (no bound; 1 / inf is
-    0 too); None stays None (a state without the tensor)."""
-    if r2 is None:
-        return None
-    r2 = r2.float()
-    return torch.where(r2 > 0, _div_rn(1.0, torch.where(r2 > 0, r2, 1.0)), torch.zeros_like(r2))
+def encode4_v_floor(q_m: torch.Tensor, scale_m: torch.Tensor, r2: torch.Tensor):
+    """The ratio bound's floor on v's code, as a function of v's 16/c (what encode4_groups computes per group):
+    per element q_m^2 · u, u = ((a · 16/c) · a) · RATIO_SLACK / r2 per group, a = fp32(1/7) · m's scale
+    (m_q^2 / a^2 is q_m^2 up to the decode's roundings); u = 0 where r2 is 0 (no bound). q_m (R, n, G): m's rounded magnitudes
+    (_encode4); scale_m, r2: (R, n). The kernel computes the same fp32 operations in the same order."""
+    a = (M4_INV * scale_m).unsqueeze(-1)
+    r2 = r2.float().unsqueeze(-1)
+    q2 = q_m * q_m  # exact (integers up to 49)
+
+    def floor(inv_v):
+        w = ((a * inv_v) * a) * RATIO_SLACK
+        return q2 * torch.where(r2 > 0, _div_rn(w, torch.where(r2 > 0, r2, 1.0)), torch.zeros_like(w))
+    return floor
 
 
-def adam_bound_inv4(inv_k: torch.Tensor, r2: torch.Tensor | None, shape, group_size: int = 128) -> torch.Tensor:
-    """The factor of m^2 a decoded 4-bit v is raised to, per element of ``shape``: max(1 / K_t, 1 / r2 of its
-    group) (1 / K_t alone without r2)."""
-    inv_g = ratio_bound_inv(r2)
-    if inv_g is None:
-        return inv_k
-    inv = torch.maximum(inv_g, inv_k.float())
-    return from_groups(to_groups(torch.zeros(shape, device=inv.device), group_size) + inv.unsqueeze(-1), shape)
+def quantize_state4_moments(m: torch.Tensor, v: torch.Tensor, group_size: int = 128,
+                            noise: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """m and v -> (m's codes, m's scales, v's codes, v's scales) as quantize_state4 gives them, v's codes raised
+    to the groups' ratio bound of these exact moments (``noise``: v's stochastic rounding)."""
+    gm, gv = to_groups(m.float(), group_size), to_groups(v.float(), group_size)
+    r2 = state4_ratio_bound(m, v, group_size)
+    nib_m, scale_m, q_m = _encode4(gm, False)
+    n = None if noise is None else to_groups(noise.float(), group_size)
+    nib_v, scale_v, _ = _encode4(gv, True, n, encode4_v_floor(q_m, scale_m, r2))
+    return (pack_codes4(from_groups(nib_m, m.shape)), scale_m, pack_codes4(from_groups(nib_v, v.shape)), scale_v)

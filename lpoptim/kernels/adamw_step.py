@@ -38,14 +38,12 @@ except ImportError:  # pragma: no cover - triton is a dependency, but keep the r
 
 from ..formats import get_format
 from ..quant import (K_MANT_BITS, K_MASK, K_MAX_EXP, K_MIN_EXP, K_ONE, K_SLACK_BITS, adam_bound_args,
-                     expansion_floor, inv_max, log2_max, num_groups)
+                     expansion_floor, inv_max, log2_max)
 
 # the address table's columns: param, grad, then (codes, scale) of exp_avg, exp_avg_sq, max_exp_avg_sq, then the
-# step count (fp32, 0-dim; the kernel works out the bias corrections from it), then 4-bit states' groups' ratio
-# bound (fp32, one per group; 0 for FP8 states)
-N_PTRS = 10
+# step count (fp32, 0-dim; the kernel works out the bias corrections from it)
+N_PTRS = 9
 STEP_COLUMN = 8
-RATIO_COLUMN = 9
 _TL_DTYPES = {}
 
 
@@ -316,10 +314,10 @@ MAX_PLANS = 4096
 MAX_TABLES = 4  # address tables kept per plan: gradients that alternate between buffers find theirs again
 # the state's columns of the address table: codes and scales of quantized moments, or fp32 moments (no scales)
 _STATE_KEYS = {True: ("exp_avg_codes", "exp_avg_scale", "exp_avg_sq_codes", "exp_avg_sq_scale", "max_exp_avg_sq_codes",
-                      "max_exp_avg_sq_scale", "step", None),
-               False: ("exp_avg", None, "exp_avg_sq", None, "max_exp_avg_sq", None, "step", None)}
+                      "max_exp_avg_sq_scale", "step"),
+               False: ("exp_avg", None, "exp_avg_sq", None, "max_exp_avg_sq", None, "step")}
 _STATE_KEYS4 = ("exp_avg_codes4", "exp_avg_scale", "exp_avg_sq_codes4", "exp_avg_sq_scale", "max_exp_avg_sq_codes4",
-                "max_exp_avg_sq_scale", "step", "ratio_bound_scale")  # state_bits=4: packed codes (kernels/adamw_step4.py)
+                "max_exp_avg_sq_scale", "step")  # state_bits=4: packed codes (kernels/adamw_step4.py)
 
 # Launch settings, the best of a sweep on an H100 (torch 2.11, triton 3.6; docs/results/console_h100.md): fp32
 # 7.6-8.1 ms, bf16 5.3-5.6 ms for 1.24 B parameters, host part included, on two hosts (1 group per tile: 8.1-8.2 /
@@ -379,7 +377,7 @@ def _tables(batch, layout, block_g: int) -> _Plan:
             for t, c, v in changed:
                 table[0][t, c].fill_(v)
             # aligned only if it was and the new addresses are (conservative: an old unaligned one may have gone)
-            table = (table[0], table[1] and all(v % 16 == 0 for _, c, v in changed if c < STEP_COLUMN))
+            table = (table[0], table[1] and all(v % 16 == 0 for _, c, v in changed if c != STEP_COLUMN))
     if table is None:  # a new table through pinned memory, copied asynchronously
         _check_steps(batch)
         # the step count (4-byte scalar) is not loaded as a vector: its alignment does not matter
@@ -430,12 +428,7 @@ def fused_adamw_step(batch, *, lr, beta1, beta2, eps, weight_decay, amsgrad, max
     its tensor, which both stochastic roundings draw by (0 where None)."""
     subsets: dict = {}
     for i, item in enumerate(batch):
-        p, _g, s, layout = item
-        if layout.quantized and layout.state_bits == 4 and "ratio_bound_scale" not in s:
-            # a 4-bit state saved before the groups' ratio bound existed: none yet (0), this step writes one (as
-            # the reference; lpoptim.AdamW adds it when it prepares the parameter)
-            s["ratio_bound_scale"] = torch.zeros(num_groups(p.shape, layout.group_size), dtype=torch.float32,
-                                                 device=p.device)
+        p, _g, _s, layout = item
         even = (p.shape[-1] if p.dim() else 1) % layout.group_size == 0
         subsets.setdefault((p.device, p.dtype, layout, even), []).append(
             (item, None if sr_salts is None else sr_salts[i],

@@ -9,10 +9,12 @@ rounded division per group (div_rn, as the reference's float64 quotient), rounde
 trick (v: floor(f + u), u from the hash), so kernel and reference agree exactly given the same fp32 moment; the
 decode is (q · fp32(1/7)) · c or j · (c/16), in the reference's order. The update arithmetic is adamw_step.py's,
 so fp32 moments may differ from the reference's by an ulp, which can move a code on a rounding tie-break.
-Each group's ratio bound (quant.state4_ratio_bound, the table's tenth column) is read once per group at decode
-(v >= m^2 · max(1/K_t, 1/r2): one division per group, the same per-element maximum as Adam's bound alone) and
-written at encode from the fresh fp32 moments: (m·m)·rcp(v) and a maximum over the group (on the GPU rcp.approx,
-so r2 may differ from the reference's by an ulp or two; under the interpreter it is exact).
+Each group's ratio bound (quant.quantize_state4_moments) is applied at encode, from the fresh fp32 moments: r2 =
+the group's largest (m·m)·rcp(v) (an integer maximum on the bits, the values being >= +0), one division per group
+(u = ((a · 16/c) · a) · slack / r2, a = fp32(1/7) · m's scale: quant.encode4_v_floor) and per element a multiply,
+a ceil and a maximum raising v's code to q_m^2 · u; on the GPU rcp.approx, so r2 may differ from the reference's
+by an ulp or two and move a code that lands on an integer (under the interpreter it is exact). Nothing is stored
+for it.
 """
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ import triton
 import triton.language as tl
 
 from ..optim.stochastic_round import V_NOISE_SALT
-from ..quant import FP32_MIN_NORMAL, M4_INV, M4_NAN, M4_TOP, V4_TOP
-from .adamw_step import RATIO_COLUMN, _address, _program_tensor, _step_scalars, _tile
+from ..quant import FP32_MIN_NORMAL, M4_INV, M4_NAN, M4_TOP, RATIO_SLACK, V4_TOP
+from .adamw_step import _address, _program_tensor, _step_scalars, _tile
 from .grid import fast_rcp, finite_abs, hash32, round_bf16_stochastic, round_half_even, store_as
 
 M4_TOP_C = tl.constexpr(M4_TOP)
@@ -30,7 +32,7 @@ M4_NAN_C = tl.constexpr(M4_NAN)
 MIN_NORMAL_C = tl.constexpr(FP32_MIN_NORMAL)
 V_NOISE_SALT_C = tl.constexpr(V_NOISE_SALT)
 M4_INV_C = tl.constexpr(M4_INV)
-RATIO_COLUMN_C = tl.constexpr(RATIO_COLUMN)
+RATIO_SLACK_C = tl.constexpr(RATIO_SLACK)
 
 
 @triton.jit
@@ -62,10 +64,12 @@ def _decode4(codes_ptr, scale_ptr, boffs, bmask, mask, gid, gmask, SECOND: tl.co
 
 
 @triton.jit
-def _encode4(x, codes_ptr, scale_ptr, boffs, bmask, mask, gid, gmask, noise, SECOND: tl.constexpr,
-             BLOCK_G: tl.constexpr, G: tl.constexpr, SR: tl.constexpr):
+def _encode4(x, codes_ptr, scale_ptr, boffs, bmask, mask, gid, gmask, noise, q2, a, r2, SECOND: tl.constexpr,
+             BLOCK_G: tl.constexpr, G: tl.constexpr, SR: tl.constexpr, BOUND: tl.constexpr):
     """quant.encode4_groups of a tile (masked-out lanes hold 0) and the store of its codes and scales; SR: rounded
-    as floor(f + noise)."""
+    as floor(f + noise). BOUND (v): the code raised to ceil(q2 · u), u from m's a = fp32(1/7) · its scale and the
+    group's r2 ([BLOCK_G, 1]; quant.encode4_v_floor), capped at 16 (fmax / fmin: a NaN product raises nothing).
+    Returns the rounded magnitudes q before the sign (m: 0..7, 7 where x is NaN) and the scales."""
     finite = finite_abs(x)
     amax = tl.max(finite.to(tl.int32, bitcast=True), axis=1, keep_dims=True).to(tl.float32, bitcast=True)
     c = tl.where(amax >= MIN_NORMAL_C, amax, 0.0)
@@ -81,6 +85,10 @@ def _encode4(x, codes_ptr, scale_ptr, boffs, bmask, mask, gid, gmask, noise, SEC
     else:
         q = round_half_even(tl.minimum(f, top))  # min first: the trick needs |f| < 2^22 (inf: the top)
     if SECOND:
+        if BOUND:  # once per group: u; per element a multiply, a ceil, a max and the cap
+            w = ((a * inv) * a) * RATIO_SLACK_C
+            u = tl.where(r2 > 0, tl.div_rn(w, tl.where(r2 > 0, r2, 1.0)), 0.0)
+            q = tl.minimum(tl.maximum(q, tl.ceil(q2 * u)), top)
         nib = tl.maximum(q, 1.0).to(tl.int32) - 1
         nib = tl.where(x != x, 15, nib)
     else:
@@ -89,23 +97,16 @@ def _encode4(x, codes_ptr, scale_ptr, boffs, bmask, mask, gid, gmask, noise, SEC
         nib = tl.where(x != x, M4_NAN_C, nib)
     nib = tl.where(mask, nib, 0)  # an odd row's last high nibble, and lanes past the tensor: 0
     _pack_store(nib, codes_ptr, boffs, bmask, BLOCK_G, G)
+    return q, c
 
 
 @triton.jit
-def _ratio_bound_inv(ratio_ptr, gid, gmask):
-    """quant.ratio_bound_inv of the tile's groups ([BLOCK_G, 1]): 1 / r2, 0 where r2 is 0 (no bound)."""
-    r2 = tl.load(ratio_ptr + gid, mask=gmask, other=0.0)
-    return tl.where(r2 > 0, tl.div_rn(1.0 + tl.zeros_like(r2), tl.where(r2 > 0, r2, 1.0)), 0.0)  # once per group
-
-
-@triton.jit
-def _store_ratio_bound(m, v, ratio_ptr, gid, gmask, ON_GPU: tl.constexpr):
-    """quant.state4_ratio_bound of the tile's fresh fp32 moments: each group's largest (m·m)·(1/v) (0 where m is 0,
-    NaN left out; masked-out lanes hold m = 0), stored."""
-    e = tl.where(m != 0, (m * m) * fast_rcp(v, ON_GPU), 0.0)
+def _ratio_bound(m, v, ON_GPU: tl.constexpr):
+    """quant.state4_ratio_bound of the tile's fresh fp32 moments ([BLOCK_G, 1]): each group's largest (m·m)·(1/v),
+    NaN left out (m = v = 0, masked-out lanes included, gives NaN: 0)."""
+    e = (m * m) * fast_rcp(v, ON_GPU)
     e = tl.where(e == e, e, 0.0)  # >= +0 (v >= +0): its bits order as its values, an integer maximum (as amax)
-    r2 = tl.max(e.to(tl.int32, bitcast=True), axis=1, keep_dims=True).to(tl.float32, bitcast=True)
-    tl.store(ratio_ptr + gid, r2, mask=gmask)
+    return tl.max(e.to(tl.int32, bitcast=True), axis=1, keep_dims=True).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -137,7 +138,6 @@ def adamw4_kernel(
     key = hash32(hash32(step.to(tl.uint32)) + tl.load(salt_ptr + 2 * tensor).to(tl.uint32) * 0x9E3779B9)
     key_v = hash32(key ^ V_NOISE_SALT_C)
     index_offset = tl.load(salt_ptr + 2 * tensor + 1).to(tl.uint32)
-    ratio_ptr = _address(row_ptrs, RATIO_COLUMN_C, tl.float32, False)  # read and written per group
     if AMSGRAD:
         vm_ptr = _address(row_ptrs, 6, tl.uint8, ALIGNED)
         vms_ptr = _address(row_ptrs, 7, tl.float32, ALIGNED)
@@ -165,8 +165,7 @@ def adamw4_kernel(
 
         m = _decode4(m_ptr, ms_ptr, boffs, bmask, mask, gid, gmask, False, BLOCK_G, G)
         v = _decode4(v_ptr, vs_ptr, boffs, bmask, mask, gid, gmask, True, BLOCK_G, G)
-        # Adam's own bound at decode, and the group's: m^2 / v at most K_t and at most what the group exactly had
-        v = tl.maximum(v, m * m * tl.maximum(_ratio_bound_inv(ratio_ptr, gid, gmask), inv_bound))
+        v = tl.maximum(v, m * m * inv_bound)  # Adam's own bound at decode
         m = m + one_minus_beta1 * (g - m)
         v = v * beta2 + one_minus_beta2 * g * g
         sqrt_v_used = tl.sqrt(v)
@@ -180,10 +179,14 @@ def adamw4_kernel(
             p = round_bf16_stochastic(p, offs.to(tl.uint32) + index_offset, key)
         store_as(p_ptr + offs, p, mask, PARAM_DTYPE, ON_GPU)
 
-        _store_ratio_bound(m, v, ratio_ptr, gid, gmask, ON_GPU)  # from the exact moments, before they are rounded
-        _encode4(m, m_ptr, ms_ptr, boffs, bmask, mask, gid, gmask, 0.0, False, BLOCK_G, G, False)
-        # v rounded stochastically: uniforms from the top 24 bits of hash32(index ^ key_v) (stochastic_round.uniform_noise)
+        r2 = _ratio_bound(m, v, ON_GPU)  # from the exact moments, before they are rounded
+        q_m, c_m = _encode4(m, m_ptr, ms_ptr, boffs, bmask, mask, gid, gmask, 0.0, 0.0, 0.0, 0.0, False, BLOCK_G, G,
+                            False, False)
+        # v rounded stochastically: uniforms from the top 24 bits of hash32(index ^ key_v)
+        # (stochastic_round.uniform_noise), its code then raised to the group's ratio bound
         noise = (hash32((offs.to(tl.uint32) + index_offset) ^ key_v) >> 8).to(tl.float32) * 5.960464477539063e-08
-        _encode4(v, v_ptr, vs_ptr, boffs, bmask, mask, gid, gmask, noise, True, BLOCK_G, G, True)
+        _encode4(v, v_ptr, vs_ptr, boffs, bmask, mask, gid, gmask, noise, q_m * q_m, M4_INV_C * c_m, r2, True,
+                 BLOCK_G, G, True, True)
         if AMSGRAD:  # the running maximum: to nearest
-            _encode4(v_max, vm_ptr, vms_ptr, boffs, bmask, mask, gid, gmask, 0.0, True, BLOCK_G, G, False)
+            _encode4(v_max, vm_ptr, vms_ptr, boffs, bmask, mask, gid, gmask, 0.0, 0.0, 0.0, 0.0, True, BLOCK_G, G,
+                     False, False)

@@ -12,10 +12,10 @@ import torch
 from torch.optim import Optimizer
 
 from ..formats import FloatFormat, get_format
-from ..quant import num_groups, state4_ratio_bound
+from ..quant import num_groups
 from . import distributed as _dist
 from .reference import MOMENTS, load_moment, reference_adamw_step
-from .state import CODES, RATIO4, StateLayout, init_state, moment_dtype, state_bits_of, stored_moment
+from .state import CODES, DROPPED_KEYS, StateLayout, init_state, moment_dtype, state_bits_of, stored_moment
 
 LPOPTIM_DEFAULTS = dict(
     exp_avg_format="e4m3",
@@ -36,7 +36,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class AdamW(Optimizer):
     """Drop-in for ``torch.optim.AdamW`` whose m and v live in FP8 (about 2.06 bytes per parameter instead of 8), or
-    in 4 bits with ``state_bits=4`` (1.094).
+    in 4 bits with ``state_bits=4`` (1.0625).
 
     Signature, defaults and argument checks are torch.optim.AdamW's (with its messages); arguments torch would
     only trip over inside a step (``betas=(0.9,)``, ``lr='1e-3'``) and lpoptim's options are refused up front, the
@@ -51,14 +51,15 @@ class AdamW(Optimizer):
     - ``bf16_stochastic_round`` (False): round bf16 parameters' updates stochastically (unbiased), so bf16 master
       weights without an fp32 copy lose nothing to rounding (stochastic_round.py; torchao's option of that name).
       Deterministic: the same steps give the same bits, on resume and on every data-parallel replica.
-    - ``state_bits`` (8): 4 stores m and v in 4 bits, two codes per byte (1.094 bytes per parameter of state at
-      group_size 128, scales and ratio bounds included, against 2.06 for FP8): m as INT4 with zero (q/7 of the
-      group's absmax, q = -7..7, to nearest), v on a linear grid without zero (j/16 of its absmax, j = 1..16,
-      rounded stochastically: deterministic, from the step and the parameter's index), Adam's bound at decode and
-      each group's own (v raised to m^2 over the largest m^2 / v the group's exact moments had: ratio_bound_scale).
-      Measured on real gradient streams (docs/optimizer.md, "4-bit states"): the largest step up to 1.56x torch's
-      (FP8: at most 2x) and a mean update error of 0.365-0.399 (FP8: 0.05); a memory-for-accuracy trade.
-      exp_avg_format, exp_avg_sq_format and expansion do not apply; sqrt_exp_avg_sq is refused. A state saved with the other
+    - ``state_bits`` (8): 4 stores m and v in 4 bits, two codes per byte (1.0625 bytes per parameter of state at
+      group_size 128, scales included, against 2.06 for FP8): m as INT4 with zero (q/7 of the group's absmax,
+      q = -7..7, to nearest), v on a linear grid without zero (j/16 of its absmax, j = 1..16, rounded
+      stochastically: deterministic, from the step and the parameter's index, then raised where needed so that no
+      element's decoded m^2 / v exceeds the largest m^2 / v of its group's exact moments: the groups' ratio bound,
+      applied at encode, nothing stored), Adam's bound at decode. Measured on real gradient streams
+      (docs/optimizer.md, "4-bit states"): the largest step up to 1.41x torch's (FP8: at most 2x) and a mean
+      update error of 0.366-0.417 (FP8: 0.05); a memory-for-accuracy trade. exp_avg_format,
+      exp_avg_sq_format and expansion do not apply; sqrt_exp_avg_sq is refused. A state saved with the other
       state_bits is converted when loaded (decoded and encoded again).
 
     ``foreach`` is accepted and has no effect. ``fused``: None picks the fused Triton kernel for CUDA tensors
@@ -246,10 +247,6 @@ class AdamW(Optimizer):
         elif group["amsgrad"] and stored_moment(state, "max_exp_avg_sq") is None:
             new = self._new_state(p, param, layout, True)
             state.update({k: v for k, v in new.items() if k.startswith("max_")})
-        if (layout.quantized and layout.state_bits == 4 and RATIO4 not in state
-                and state_bits_of(state) == 4 and "exp_avg_scale" in state):
-            # a 4-bit state saved before the groups' ratio bound existed: none yet (0), the next step writes one
-            state[RATIO4] = self._new_state(p, param, layout, False)[RATIO4]
         dtensor = _dist.is_dtensor(p)
         local_state = {k: _local(v) for k, v in state.items()} if dtensor else state
         empty = dtensor and param.numel() == 0
@@ -463,11 +460,6 @@ def _check_state(state: dict, param: torch.Tensor, layout: StateLayout) -> None:
         raise ValueError("lpoptim.AdamW: this parameter's state was built with other group options (group_size, "
                          "min_quant_numel), which cannot change after its first step, or for another shape "
                          "(p.data replaced by a tensor of another shape)")
-    ratio = state.get(RATIO4)
-    if ratio is not None and (scale is None or ratio.shape != scale.shape or ratio.dtype != torch.float32):
-        raise ValueError(f"lpoptim.AdamW: this parameter's {RATIO4} is {ratio.dtype} {tuple(ratio.shape)}, its "
-                         f"scales {None if scale is None else tuple(scale.shape)}: it must be float32 of the scales' "
-                         "shape (the state was built for another layout)")
     if scale is not None and state_bits_of(state) != layout.state_bits:
         raise ValueError(f"lpoptim.AdamW: this parameter's state was built with state_bits={state_bits_of(state)}, "
                          f"its group now asks for {layout.state_bits}: state_bits cannot change after the first step "
@@ -475,9 +467,11 @@ def _check_state(state: dict, param: torch.Tensor, layout: StateLayout) -> None:
 
 
 def _convert_state(state: dict, param: torch.Tensor, layout: StateLayout) -> dict:
-    """A loaded state in lpoptim's layout: kept as saved if it already is, quantized if it is torch's."""
-    from .reference import encode_moment
+    """A loaded state in lpoptim's layout: kept as saved if it already is, quantized if it is torch's. Keys this
+    layout has no use for (DROPPED_KEYS: a stored ratio bound) are left out."""
+    from .reference import encode_moment, encode_moments
 
+    state = {k: v for k, v in state.items() if k not in DROPPED_KEYS}
     step = state.get("step", torch.zeros(()))
     step = torch.as_tensor(step, dtype=torch.float32).reshape(()).to(param.device)
     quantized_in = "exp_avg_scale" in state
@@ -496,14 +490,16 @@ def _convert_state(state: dict, param: torch.Tensor, layout: StateLayout) -> dic
         present = stored_moment(state, name) is not None
         if present and param.numel() == 0:  # an empty shard (uneven FSDP2 sharding): nothing to convert
             out.update({k: v for k, v in init_state(param, layout, True).items()
-                        if k in (name, name + layout.codes_suffix, name + "_scale", RATIO4)})
+                        if k in (name, name + layout.codes_suffix, name + "_scale")})
         elif present:
             # a 4-bit state (codes4) decodes as such whatever this layout says; an FP8 one by the saved codes
             source = dataclasses.replace(layout, quantized=quantized_in, state_bits=bits_in,
                                          sqrt_v=layout.sqrt_v and bits_in == 8)
-            value = values[name] = load_moment(state, name, source, param.shape).to(param.device)
-            out.update(encode_moment(name, value, layout))
-    if layout.quantized and layout.state_bits == 4 and "exp_avg" in values and "exp_avg_sq" in values:
-        # the groups' ratio bound from the moments loaded (torch's exact ones, or the other codec's decoded ones)
-        out[RATIO4] = state4_ratio_bound(values["exp_avg"], values["exp_avg_sq"], layout.group_size)
+            values[name] = load_moment(state, name, source, param.shape).to(param.device)
+    if "exp_avg" in values and "exp_avg_sq" in values:
+        # 4 bits: v's codes raised to the groups' ratio bound of the moments loaded (torch's exact ones, or the
+        # other codec's decoded ones)
+        out.update(encode_moments(values.pop("exp_avg"), values.pop("exp_avg_sq"), layout))
+    for name, value in values.items():
+        out.update(encode_moment(name, value, layout))
     return out

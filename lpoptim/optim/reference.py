@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import (adam_bound_inv, adam_bound_inv4, dequantize_state, dequantize_state4, quantize_state,
-                     quantize_state4, state4_ratio_bound)
-from .state import CODES, CODES4, RATIO4, StateLayout, moment_dtype
+from ..quant import (adam_bound_inv, dequantize_state, dequantize_state4, quantize_state, quantize_state4,
+                     quantize_state4_moments)
+from .state import CODES, CODES4, StateLayout, moment_dtype
 from .stochastic_round import round_bf16_stochastic, sr_key, uniform_noise, v_noise_key
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -55,6 +55,17 @@ def encode_moment(name: str, value: torch.Tensor, layout: StateLayout,
     return {name + CODES: codes, name + "_scale": scale}
 
 
+def encode_moments(m: torch.Tensor, v: torch.Tensor, layout: StateLayout,
+                   noise: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """fp32 m and v -> the state entries that hold them: encode_moment's, and with 4-bit states v's codes raised
+    to the groups' ratio bound of these exact moments (quant.quantize_state4_moments; ``noise``: v's)."""
+    if not (layout.quantized and layout.state_bits == 4):
+        return {**encode_moment("exp_avg", m, layout), **encode_moment("exp_avg_sq", v, layout)}
+    m_codes, m_scale, v_codes, v_scale = quantize_state4_moments(m, v, layout.group_size, noise)
+    return {"exp_avg" + CODES4: m_codes, "exp_avg_scale": m_scale,
+            "exp_avg_sq" + CODES4: v_codes, "exp_avg_sq_scale": v_scale}
+
+
 def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, layout: StateLayout, *,
                          lr, beta1: float, beta2: float, eps: float, weight_decay: float, amsgrad: bool,
                          maximize: bool, grad_scale: torch.Tensor | None = None,
@@ -87,11 +98,8 @@ def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, l
     m = load_moment(state, "exp_avg", layout, param.shape).to(acc)
     v = load_moment(state, "exp_avg_sq", layout, param.shape).to(acc)
     if layout.quantized:  # a decoded v is never below what Adam's own recursion allows beside the decoded m
-        inv_bound = adam_bound_inv(state["step"], beta1, beta2)
-        if RATIO4 in state and "exp_avg" + CODES4 in state:  # nor below m^2 / its group's exact largest m^2 / v
-            inv_bound = adam_bound_inv4(inv_bound, state[RATIO4], param.shape, layout.group_size)
         # fmax, as the GPU's max: a NaN bound (a NaN m) leaves v as it is
-        v = torch.fmax(v, m * m * inv_bound)
+        v = torch.fmax(v, m * m * adam_bound_inv(state["step"], beta1, beta2))
     m = m + (1 - beta1) * (g - m)  # torch's lerp, written out so every backend rounds alike
     v = v * beta2 + (1 - beta2) * g * g
     v_used = v
@@ -103,28 +111,19 @@ def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, l
     denom = v_used.sqrt() / bias_correction2_sqrt + eps
     p_new = p * (1 - lr * weight_decay) - (lr / bias_correction1) * (m / denom)
 
-    new = {"exp_avg": m, "exp_avg_sq": v}
-    if amsgrad:
-        new["max_exp_avg_sq"] = v_used
-    entries = {"step": step}
-    for name, value in new.items():
-        noise = None
-        if layout.quantized and layout.state_bits == 4 and name == "exp_avg_sq":
-            noise = uniform_noise(param.shape, v_noise_key(step, state_salt), offset)
-        entries.update(encode_moment(name, value, layout, noise))
-    if layout.quantized and layout.state_bits == 4:  # the bound the next decode applies, from the exact moments
-        entries[RATIO4] = state4_ratio_bound(m, v, layout.group_size)
+    noise = None
+    if layout.quantized and layout.state_bits == 4:  # v rounded stochastically
+        noise = uniform_noise(param.shape, v_noise_key(step, state_salt), offset)
+    entries = {"step": step, **encode_moments(m, v, layout, noise)}  # 4 bits: with the groups' ratio bound
+    if amsgrad:  # the running maximum: to nearest
+        entries.update(encode_moment("max_exp_avg_sq", v_used, layout))
     if sr_salt is not None and param.dtype == torch.bfloat16:
         p_new = round_bf16_stochastic(p_new, sr_key(step, sr_salt), offset)
     p_new = p_new.to(param.dtype)
     if found_inf is not None:  # skip the whole step without asking the host: keep every old value
         skip = found_inf.to(dev) != 0
         p_new = torch.where(skip, param, p_new)
-        entries = {k: torch.where(skip, state[k] if k in state else torch.zeros_like(e), e)
-                   for k, e in entries.items()}
+        entries = {k: torch.where(skip, state[k], e) for k, e in entries.items()}
     param.copy_(p_new)
     for k, e in entries.items():
-        if k in state:
-            state[k].copy_(e)
-        else:  # a 4-bit state saved without its ratio bound gets one
-            state[k] = e
+        state[k].copy_(e)

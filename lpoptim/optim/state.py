@@ -10,12 +10,9 @@ Per parameter with at least ``min_quant_numel`` elements:
   step               fp32 0-dim tensor on the parameter's device
 With state_bits=4 each moment's codes are held under ``<name>_codes4`` instead: uint8 of packed_shape(param.shape)
 (the last dimension halved, two 4-bit codes per byte, quant.quantize_state4), beside the same fp32 ``<name>_scale``
-(the group's plain absmax), and one more tensor of that shape:
-  ratio_bound_scale  fp32 (rows, ceil(N / G)): the largest m^2 / v of each group's exact moments when they were
-                     encoded (quant.state4_ratio_bound); the next decode raises v to m^2 / it. Named, shaped and
-                     placed like the scales (FSDP2 shards it as them); 0, or missing (a state saved before it
-                     existed), is no bound
-1.094 bytes per parameter at G=128 (1.0625 for m and v, 0.031 for the bound).
+(the group's plain absmax); 1.0625 bytes per parameter for m and v at G=128. (The groups' ratio bound is applied
+when v is encoded, quant.quantize_state4_moments: nothing is stored for it. A state saved with a stored bound,
+``ratio_bound_scale``, loads without it: lpoptim.AdamW drops the key, DROPPED_KEYS.)
 Smaller parameters (norms, biases) keep plain fp32 moments under the same names, as torch.optim.AdamW does.
 Everything is a plain tensor: a checkpoint loads with torch.load(weights_only=True) without lpoptim.
 """
@@ -33,7 +30,9 @@ from ..quant import num_groups, packed_shape
 
 CODES = "_codes"  # a quantized moment's codes are held under its name with this suffix
 CODES4 = "_codes4"  # ... and 4-bit packed codes (state_bits=4) with this one
-RATIO4 = "ratio_bound_scale"  # 4-bit states: each group's largest m^2 / v (fp32), the bound the next decode applies
+# keys a state dict may hold that this layout has no use for, dropped when it loads: a stored per-group ratio bound
+# of 4-bit states (fp32 per group; the bound is applied at encode instead)
+DROPPED_KEYS = ("ratio_bound_scale",)
 
 
 def moment_dtype(param: torch.Tensor) -> torch.dtype:
@@ -106,9 +105,6 @@ def init_state(param: torch.Tensor, layout: StateLayout, amsgrad: bool) -> dict[
             state[name + "_scale"] = torch.zeros(num_groups(param.shape, layout.group_size), dtype=torch.float32, device=dev)
         else:
             state[name] = torch.zeros(param.shape, dtype=moment_dtype(param), device=dev)
-    if layout.quantized and layout.state_bits == 4:  # 0: no bound (the moments are 0)
-        state[RATIO4] = torch.zeros(num_groups(param.shape, layout.group_size), dtype=torch.float32,
-                                    device=dev)
     return state
 
 
