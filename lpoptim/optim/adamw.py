@@ -15,7 +15,7 @@ from ..formats import FloatFormat, get_format
 from ..quant import num_groups
 from . import distributed as _dist
 from .reference import MOMENTS, load_moment, reference_adamw_step
-from .state import CODES, DROPPED_KEYS, StateLayout, init_state, moment_dtype, state_bits_of, stored_moment
+from .state import CODES, StateLayout, init_state, moment_dtype, state_bits_of, stored_moment
 
 LPOPTIM_DEFAULTS = dict(
     exp_avg_format="e4m3",
@@ -467,11 +467,9 @@ def _check_state(state: dict, param: torch.Tensor, layout: StateLayout) -> None:
 
 
 def _convert_state(state: dict, param: torch.Tensor, layout: StateLayout) -> dict:
-    """A loaded state in lpoptim's layout: kept as saved if it already is, quantized if it is torch's. Keys this
-    layout has no use for (DROPPED_KEYS: a stored ratio bound) are left out."""
+    """A loaded state in lpoptim's layout: kept as saved if it already is, quantized if it is torch's."""
     from .reference import encode_moment, encode_moments
 
-    state = {k: v for k, v in state.items() if k not in DROPPED_KEYS}
     step = state.get("step", torch.zeros(()))
     step = torch.as_tensor(step, dtype=torch.float32).reshape(()).to(param.device)
     quantized_in = "exp_avg_scale" in state

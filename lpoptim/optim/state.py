@@ -11,8 +11,7 @@ Per parameter with at least ``min_quant_numel`` elements:
 With state_bits=4 each moment's codes are held under ``<name>_codes4`` instead: uint8 of packed_shape(param.shape)
 (the last dimension halved, two 4-bit codes per byte, quant.quantize_state4), beside the same fp32 ``<name>_scale``
 (the group's plain absmax); 1.0625 bytes per parameter for m and v at G=128. (The groups' ratio bound is applied
-when v is encoded, quant.quantize_state4_moments: nothing is stored for it. A state saved with a stored bound,
-``ratio_bound_scale``, loads without it: lpoptim.AdamW drops the key, DROPPED_KEYS.)
+when v is encoded, quant.quantize_state4_moments: nothing is stored for it.)
 Smaller parameters (norms, biases) keep plain fp32 moments under the same names, as torch.optim.AdamW does.
 Everything is a plain tensor: a checkpoint loads with torch.load(weights_only=True) without lpoptim.
 """
@@ -30,9 +29,6 @@ from ..quant import num_groups, packed_shape
 
 CODES = "_codes"  # a quantized moment's codes are held under its name with this suffix
 CODES4 = "_codes4"  # ... and 4-bit packed codes (state_bits=4) with this one
-# keys a state dict may hold that this layout has no use for, dropped when it loads: a stored per-group ratio bound
-# of 4-bit states (fp32 per group; the bound is applied at encode instead)
-DROPPED_KEYS = ("ratio_bound_scale",)
 
 
 def moment_dtype(param: torch.Tensor) -> torch.dtype:
