@@ -7,8 +7,9 @@
 A Llama-style decoder in pure torch (RMSNorm, RoPE, grouped-query attention through scaled_dot_product_attention,
 SwiGLU; untied embedding and head; random init, nothing downloaded), built on the meta device and sharded with
 ``fully_shard`` per block and at the root: fp32 sharded masters, bf16 compute (MixedPrecisionPolicy, gradients
-reduced in fp32). Shapes: TinyLlama-1.1B (22 layers, d 2048, ffn 5632, 32 heads, 4 kv heads) and Llama-2-7B
-(32 layers, d 4096, ffn 11008, 32 heads), vocab 32000, batch 1 x 2048 tokens per GPU. Each optimizer gets a
+reduced in fp32). Shapes: TinyLlama-1.1B (22 layers, d 2048, ffn 5632, 32 heads, 4 kv heads), Llama-2-7B
+(32 layers, d 4096, ffn 11008, 32 heads), CodeLlama-34B's widths (48 layers, d 8192, ffn 22016, 64 heads, 8 kv
+heads) and Llama-2-70B's (80 layers, d 8192, ffn 28672, 64 heads, 8 kv heads), vocab 32000, batch 1 x 2048 tokens per GPU. Each optimizer gets a
 fresh model; after --warmup steps (Triton compilation included there), --steps steps are timed with the
 device synchronized around them. Peak memory is torch.cuda.max_memory_allocated over the whole run of that
 optimizer (model, gradients, states, activations, all-gather buffers), the maximum over ranks; tokens/s is per
@@ -21,7 +22,7 @@ update stochastically);
 ``+act`` adds compress_activations on every block. ``prepare`` (``+bf16``: bf16 parameters) converts the
 blocks' linears to FP8 before sharding (on GPUs with FP8 tensor cores) and calls ``lpoptim.prepare`` after
 ``fully_shard``: blocks compiled, the step in backward, the head and loss chunked. ``--compile`` compiles the blocks
-of the torch and lpoptim runs too. Each run is compared with ``torch``.
+of the torch and lpoptim runs too. Each run is compared with the first of --optimizers (``torch`` by default).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off, before any process group exists
@@ -59,6 +60,12 @@ TARGETS = {"peak_ratio_max": 0.55, "tokens_ratio_min": 0.95}
 CONFIGS = {
     "tinyllama": ("TinyLlama-1.1B", PRESETS["tinyllama-1.1b"]),
     "llama7b": ("Llama-2-7B", PRESETS["llama2-7b"]),
+    # the largest shapes: CodeLlama-34B's widths (33.7 B parameters) for 4 GPUs, Llama-2-70B's (69.0 B) for 8;
+    # --layers trims either to what fewer GPUs hold, at the same widths
+    "codellama34b": ("CodeLlama-34B", LlamaConfig(vocab_size=32000, n_layer=48, d_model=8192, ffn_dim=22016,
+                                                  n_head=64, n_kv_head=8)),
+    "llama70b": ("Llama-2-70B", LlamaConfig(vocab_size=32000, n_layer=80, d_model=8192, ffn_dim=28672, n_head=64,
+                                            n_kv_head=8)),
     "small": ("small", LlamaConfig(vocab_size=512, n_layer=2, d_model=128, ffn_dim=352, n_head=4, n_kv_head=2)),
 }
 
@@ -183,9 +190,15 @@ def main(argv=None):
     ap.add_argument("--ac", action="store_true", help="activation checkpointing per block")
     ap.add_argument("--compile", action="store_true",
                     help="compile each block of the torch and lpoptim runs (prepare compiles on CUDA by itself)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="every model with this many blocks, its widths unchanged (e.g. llama70b on fewer GPUs)")
     ap.add_argument("--small", action="store_true", help="CPU smoke run: gloo, a tiny model, 64 tokens")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    unknown = [k for k in args.models.split(",") if k not in CONFIGS]
+    if unknown or (args.layers is not None and args.layers < 1):
+        ap.error(f"unknown models {unknown} (choose from {', '.join(CONFIGS)})" if unknown else
+                 f"--layers must be at least 1, got {args.layers}")
     if args.small:
         args.models, args.seq, args.steps, args.warmup = "small", 64, 3, 1
 
@@ -203,6 +216,8 @@ def main(argv=None):
     results = []
     for key in args.models.split(","):
         name, c = CONFIGS[key]
+        if args.layers:
+            name, c = f"{name} widths, {args.layers} layers", replace(c, n_layer=args.layers)
         runs = {}
         for opt_name in args.optimizers.split(","):
             try:
@@ -212,8 +227,8 @@ def main(argv=None):
                 gc.collect()
                 torch.cuda.empty_cache()
         entry = {"model": {"name": name, **asdict(c)}, "runs": runs}
-        t = runs.get("torch", {})
-        for r in runs.values():  # every other run against torch AdamW with bf16 mixed precision
+        t = next(iter(runs.values()))
+        for r in runs.values():  # every other run against the first (torch AdamW by default)
             if r is not t and t.get("peak_gib_per_gpu") and r.get("peak_gib_per_gpu"):
                 r["peak_ratio"] = r["peak_gib_per_gpu"] / t["peak_gib_per_gpu"]
             if r is not t and t.get("tokens_per_s_per_gpu") and r.get("tokens_per_s_per_gpu"):
@@ -235,7 +250,7 @@ def main(argv=None):
               f"AC {'on' if args.ac else 'off'}, torch AdamW {args.torch_impl}")
         print(f"targets vs torch: peak <= {TARGETS['peak_ratio_max']}x, tokens/s >= {TARGETS['tokens_ratio_min']}x")
         print(f"{'model':16s} {'optimizer':18s} {'peak GiB/GPU':>12s} {'states MiB/GPU':>14s} {'tok/s/GPU':>10s} "
-              f"{'step ms':>8s} {'peak/torch':>10s} {'tok/torch':>9s}")
+              f"{'step ms':>8s} {'peak/first':>10s} {'tok/first':>9s}")
         for e in results:
             for r in e["runs"].values():
                 if "error" in r:

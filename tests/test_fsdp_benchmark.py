@@ -1,0 +1,50 @@
+"""benchmarks/fsdp.py runs end to end on the CPU (gloo, 2 ranks), so the multi-GPU commands docs/distributed.md
+gives are one call when GPUs come; the largest shapes' sizes are what their names say."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def _fsdp_main(*args, **kw):
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fsdp.py"), *args], cwd=ROOT, capture_output=True,
+                          text=True, env=ENV, timeout=300, **kw)
+
+
+def test_largest_shapes_have_their_published_sizes():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.fsdp import CONFIGS
+    from lpoptim.train.llama import Llama
+
+    for key, billions in (("codellama34b", 33.74), ("llama70b", 68.98)):
+        with torch.device("meta"):
+            n = sum(p.numel() for p in Llama(CONFIGS[key][1]).parameters())
+        assert abs(n / 1e9 - billions) < 0.01, (key, n)
+
+
+def test_unknown_model_and_bad_layers_are_refused_before_any_work():
+    for args, msg in ((["--models", "llama7b,nope"], "unknown models"), (["--layers", "0"], "--layers")):
+        r = _fsdp_main(*args)
+        assert r.returncode == 2 and msg in r.stderr, r.stderr
+
+
+def test_small_run_with_fewer_layers_on_two_cpu_ranks(tmp_path):
+    out = tmp_path / "fsdp.json"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        str(ROOT / "benchmarks" / "fsdp.py"), "--small", "--layers", "3", "--torch-impl", "fused",
+                        "--optimizers", "torch+bf16,prepare+bf16", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    entry = json.loads(out.read_text())["results"][0]
+    assert entry["model"]["n_layer"] == 3 and "3 layers" in entry["model"]["name"]
+    runs = entry["runs"]
+    assert list(runs) == ["torch+bf16", "prepare+bf16"] and all(run["finite"] for run in runs.values())
+    assert "tokens_ratio" in runs["prepare+bf16"]  # compared with the first run
+    assert runs["prepare+bf16"]["state_gib_per_gpu"] < runs["torch+bf16"]["state_gib_per_gpu"]
