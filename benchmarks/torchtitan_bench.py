@@ -1,6 +1,6 @@
 """torchtitan's own trainer run side by side: its AdamW, its float8 + AdamW, and lpoptim (converter + lpoptim.AdamW).
 
-    python -m pip install --no-deps lab/wheels/*.whl    # torchtitan 0.2.2 and what it imports, torchao 0.18
+    python -m pip install torchtitan==0.2.2 torchao==0.18.0    # torch 2.11: torchtitan 0.3 needs a newer torch
     python benchmarks/torchtitan_bench.py --gpus 2 --out results/torchtitan_llama2_7b_2gpu.json
 
 Each run (--variants) is its own ``torchrun`` (fresh processes and caches) of torchtitan's ``Trainer``, with the

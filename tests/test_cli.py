@@ -237,3 +237,6 @@ def test_glob_text_concatenates_the_matching_files_in_path_order(tmp_path, no_wo
     with pytest.raises(SystemExit) as e:
         cli.main(["train", "--text", f"{root}/**/*.nothing", "--device", "cpu", "--out", str(tmp_path)])
     assert e.value.code == 2 and "no file matches" in capsys.readouterr().err
+    named = tmp_path / "notes[1].txt"  # a file whose name reads as a glob is the file
+    named.write_text("x")
+    assert cli.existing_file(str(named)) == named

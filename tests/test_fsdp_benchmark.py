@@ -29,7 +29,8 @@ def test_largest_shapes_have_their_published_sizes():
 
 
 def test_unknown_model_and_bad_layers_are_refused_before_any_work():
-    for args, msg in ((["--models", "llama7b,nope"], "unknown models"), (["--layers", "0"], "--layers")):
+    for args, msg in ((["--models", "llama7b,nope"], "unknown models"), (["--layers", "0"], "--layers"),
+                      (["--optimizers", "torch,lpoptim+fp8"], "unknown optimizer run")):
         r = _fsdp_main(*args)
         assert r.returncode == 2 and msg in r.stderr, r.stderr
 
@@ -46,5 +47,5 @@ def test_small_run_with_fewer_layers_on_two_cpu_ranks(tmp_path):
     assert entry["model"]["n_layer"] == 3 and "3 layers" in entry["model"]["name"]
     runs = entry["runs"]
     assert list(runs) == ["torch+bf16", "prepare+bf16"] and all(run["finite"] for run in runs.values())
-    assert "tokens_ratio" in runs["prepare+bf16"]  # compared with the first run
+    assert entry["baseline"] == "torch+bf16" and "tokens_ratio" in runs["prepare+bf16"]  # against the first run
     assert runs["prepare+bf16"]["state_gib_per_gpu"] < runs["torch+bf16"]["state_gib_per_gpu"]

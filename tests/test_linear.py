@@ -118,8 +118,8 @@ def test_fp4_forward_is_clamped_gemm_plus_residual():
 # ---- gradients vs fp32 nn.Linear, per recipe --------------------------------------------------------------
 
 # Relative (Frobenius) error bounds on this case: fp32 input of 120 tokens × 128 with one outlier channel (×20),
-# W ~ N(0, 0.05²), 96 outputs. Measured (3 seeds): fp8 y .027-.031 dx .056 dW .052-.064; fp4 y .071 (.25 without
-# OCC); int4 y .14-.15 (.30-.33 without the Hadamard). dx and dW are dominated by E5M2's 2 mantissa bits. With the DGE (the paper's fp4) the weight gradient is compared with the fp32 gradient times f'(W).
+# W ~ N(0, 0.05²), 96 outputs. Measured (3 seeds): fp8 y .027-.031 dx .056 dW .052-.064; fp4 y .25 (.071 with the
+# paper's OCC); int4 y .14-.15 (.30-.33 without the Hadamard). dx and dW are dominated by E5M2's 2 mantissa bits. With the DGE (the paper's fp4) the weight gradient is compared with the fp32 gradient times f'(W).
 BOUNDS = {  # recipe: (y, dx, dW)
     "fp8": (0.045, 0.075, 0.085),
     "fp8_tensor": (0.05, 0.08, 0.09),

@@ -162,8 +162,8 @@ def _refuse_checkpoint_wrappers(model: nn.Module, args) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     if any(isinstance(m, CheckpointWrapper) for m in model.layers.children()):
         raise RuntimeError("lpoptim's FP8 activations replace activation checkpointing: set the trainer's "
-                           "activation_checkpoint to None (--activation_checkpoint none), or use "
-                           "LpoptimConverter.Config(activation_options={'recompute': True}) for FP8 recompute")
+                           "activation_checkpoint to None (--activation_checkpoint none); for FP8 recompute (only block "
+                           "inputs kept, in FP8) also LpoptimConverter.Config(activation_options={'recompute': True})")
 
 
 # The optimizer. torchtitan resolves ParamGroupConfig.optimizer_name in OptimizersContainer's

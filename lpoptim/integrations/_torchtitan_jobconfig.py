@@ -83,7 +83,8 @@ class LpoptimConverter:
         if self.activations:
             if job_config.activation_checkpoint.mode != "none":
                 raise ValueError("lpoptim's FP8 activations replace activation checkpointing: "
-                                 "set --activation_checkpoint.mode none (or --lpoptim.recompute for FP8 recompute)")
+                                 "set --activation_checkpoint.mode none (and --lpoptim.recompute for FP8 recompute: "
+                                 "only block inputs kept, in FP8)")
             if job_config.compile.enable and "model" in job_config.compile.components:
                 # torchtitan would wrap each block in torch.compile(fullgraph=True), which meets the FP8 wrapper
                 # (run eagerly by design: it enters the saved-tensor hooks) as a graph break, an error under

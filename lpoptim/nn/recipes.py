@@ -46,7 +46,7 @@ def _operand_specs(r: "Recipe") -> OperandSpecs:
     scaling = "delayed" if r.scaling == "delayed" else "current"
     back = {fmt: QuantSpec(fmt, bwd, scaling if bwd == "tensor" else "current") for fmt in (r.grad_fmt, r.bwd_fmt)}
     w_kept = x_kept = None
-    if r.fwd_fmt in ("int4_sym", "int4"):  # per row (whatever ``granularity`` says), after the block Hadamard
+    if r.fwd_fmt == "int4_sym":  # per row (whatever ``granularity`` says), after the block Hadamard
         x = w = QuantSpec(r.fwd_fmt, "row", hadamard_block=r.hadamard_block)
     elif r.fwd_fmt == "e2m1":  # never delayed: fp4's x and W keep their absmax from the row pass instead
         x = w = QuantSpec(r.fwd_fmt, r.granularity)
@@ -119,11 +119,11 @@ FP8_TENSOR = Recipe("fp8_tensor", granularity="tensor")
 FP8_TENSOR_FAST = Recipe("fp8_tensor_fast", granularity="tensor", fast_accum=True)  # torchao's tensorwise default
 # fp8_tensor with delayed scaling: no absmax pass over x or dy (docs/linear.md)
 FP8_DELAYED = Recipe("fp8_delayed", granularity="tensor", scaling="delayed")
-# E2M1 forward per row, the fp8 backward per tensor (as int4's: 0.98 / 1.14 / 1.20x the speed of per row on an
-# H100, docs/results/linear_h100_bwd_granularity.json), straight-through gradients. The paper's other two parts
+# E2M1 forward per row, the fp8 backward per tensor (as int4's: faster than per row on an H100,
+# docs/results/linear_h100_bwd_granularity.json), straight-through gradients. The paper's other two parts
 # stay options: its DGE (dge_k=5.0) weights dW by a derivative whose mean is 0.59 (at 113 M parameters the best
 # validation loss came out 2.3% above torch AdamW's with it, 1.1% without; docs/linear.md); its outlier clamping
-# (occ_alpha=0.99) adds a sparse residual GEMM that is not fused (0.11-0.15x compiled bf16)
+# (occ_alpha=0.99) adds a sparse residual GEMM that is not fused (0.10-0.15x compiled bf16)
 FP4 = Recipe("fp4", fwd_fmt="e2m1", bwd_granularity="tensor")
 INT4 = Recipe("int4", fwd_fmt="int4_sym", hadamard_block=128, bwd_granularity="tensor")
 
