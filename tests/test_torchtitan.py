@@ -184,6 +184,13 @@ def test_config_registry_entry():
         assert g.optimizer_name == "lpoptim.AdamW" and g.optimizer_kwargs["lr"] == 8e-4, g
         assert cfg.activation_checkpoint is None
         assert type(cfg.model_spec.model.layers[0].feed_forward.w1) is LpoptimLinear.Config
+        from lpoptim.integrations.torchtitan import use_lpoptim
+        try:  # a second call would convert the blocks twice
+            use_lpoptim(cfg)
+        except ValueError as e:
+            assert "already" in str(e), e
+        else:
+            raise AssertionError("use_lpoptim accepted a config that is lpoptim's already")
         print("ok")
     """)
 

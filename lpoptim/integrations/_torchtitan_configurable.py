@@ -204,7 +204,14 @@ def use_lpoptim(config, *, recipe: str | None = DEFAULT_RECIPE, activations: boo
                 activation_options: dict[str, Any] | None = None, **adamw: Any):
     """A torchtitan ``Trainer.Config`` turned to lpoptim, in place (and returned): the converter on its model
     config, activation checkpointing off when FP8 activations are on, and lpoptim.AdamW with the
-    hyperparameters of the config's AdamW groups (``adamw`` overrides them and takes lpoptim's options)."""
+    hyperparameters of the config's AdamW groups (``adamw`` overrides them and takes lpoptim's options).
+    ValueError, before anything changes, for a config that is lpoptim's already or has no AdamW group."""
+    names = [g.optimizer_name for g in config.optimizer.param_groups]
+    if OPTIMIZER_NAME in names or isinstance(config.optimizer, LpoptimOptimizersContainer.Config):
+        raise ValueError("use_lpoptim: this config uses lpoptim already (its blocks would be converted twice)")
+    if "AdamW" not in names:
+        raise ValueError(f"use_lpoptim: the config's optimizer has no AdamW parameter group to replace (its groups: "
+                         f"{names}); set config.optimizer = lpoptim_adamw(...) and the converter yourself")
     spec = config.model_spec
     converter = LpoptimConverter.Config(recipe=recipe, activations=activations,
                                         activation_options=dict(activation_options or {}),
@@ -221,7 +228,7 @@ def use_lpoptim(config, *, recipe: str | None = DEFAULT_RECIPE, activations: boo
         groups.append(g)
     old = config.optimizer
     config.optimizer = LpoptimOptimizersContainer.Config(
-        param_groups=groups or lpoptim_adamw(**adamw).param_groups, implementation=old.implementation,
+        param_groups=groups, implementation=old.implementation,
         optimizer_factory_kwargs_by_name=old.optimizer_factory_kwargs_by_name)
     return config
 
