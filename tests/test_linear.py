@@ -343,3 +343,21 @@ def test_no_tokens_gives_empty_output_and_zero_weight_grad(recipe):
     y.sum().backward()
     assert x.grad.shape == (0, 32)
     assert layer.weight.grad is not None and not layer.weight.grad.any()
+
+
+def test_specs_and_recipes_check_their_fields_when_made():
+    """A QuantSpec or Recipe with a field no backend handles is refused where it is made, not at its first call
+    (where the reference and the kernel backend would disagree about it)."""
+    from lpoptim.nn.operands import QuantSpec
+    from lpoptim.nn.recipes import Recipe
+
+    for kw, msg in ((dict(fmt="e3m3"), "format"), (dict(granularity="group"), "granularity"),
+                    (dict(scaling="delay"), "scaling"), (dict(keep="max"), "keep"), (dict(pad_to=0), "pad_to"),
+                    (dict(hadamard_block=48), "power of two"), (dict(hadamard_block=64, keep="amax"), "Hadamard"),
+                    (dict(hadamard_block=64, granularity="tensor"), "Hadamard")):
+        with pytest.raises(ValueError, match=msg):
+            QuantSpec(**{"fmt": "int4_sym", **kw})
+    with pytest.raises(ValueError, match="bwd_granularity"):
+        Recipe("mine", bwd_granularity="group")
+    with pytest.raises(ValueError, match="fwd_fmt"):
+        Recipe("mine", fwd_fmt="e5m2")

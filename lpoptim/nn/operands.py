@@ -47,6 +47,23 @@ class QuantSpec:
     keep: str | None = None
     pad_to: int = 16
 
+    def __post_init__(self):  # both backends compute the same bits only for specs that pass these checks
+        get_format(self.fmt)
+        if self.granularity not in ("row", "tensor"):
+            raise ValueError(f"granularity must be 'row' or 'tensor', got {self.granularity!r}")
+        if self.scaling not in ("current", "delayed"):
+            raise ValueError(f"scaling must be 'current' or 'delayed', got {self.scaling!r}")
+        if self.keep not in (None, "amax", "col_max"):
+            raise ValueError(f"keep must be None, 'amax' or 'col_max', got {self.keep!r}")
+        if not (isinstance(self.pad_to, int) and self.pad_to >= 1):
+            raise ValueError(f"pad_to must be a positive int, got {self.pad_to!r}")
+        block = self.hadamard_block
+        if block is not None and (block < 1 or block & (block - 1)):
+            raise ValueError(f"hadamard_block must be a power of two, got {block}")
+        if block and (self.keep or self.granularity == "tensor"):
+            raise ValueError("a Hadamard block goes with per-row scaling and nothing kept (the statistic kept would "
+                             "be of the rotated rows)")
+
 
 @dataclass
 class Operand:

@@ -90,7 +90,29 @@ class Recipe:
     occ_sample: int = 1 << 20      # the quantile is estimated on at most this many evenly strided elements
 
     def __post_init__(self):
+        self._validate()  # before the operands' specs are made from the fields
         self._register()
+
+    def _validate(self):
+        if self.fwd_fmt not in ("e4m3", "e2m1", "int4_sym"):  # the formats nn/functional.py has a Function for
+            raise ValueError(f"fwd_fmt must be 'e4m3', 'e2m1' or 'int4_sym', got {self.fwd_fmt!r}")
+        if self.granularity not in ("row", "tensor"):
+            raise ValueError(f"granularity must be 'row' or 'tensor', got {self.granularity!r}")
+        if self.bwd_granularity not in (None, "row", "tensor"):
+            raise ValueError(f"bwd_granularity must be None, 'row' or 'tensor', got {self.bwd_granularity!r}")
+        if self.fast_accum and self.fwd_fmt != "e4m3":
+            raise ValueError("fast_accum is for the fp8 recipes: it drops accumulator bits, so 4-bit GEMMs would no "
+                             "longer be exact")
+        if self.scaling not in ("current", "delayed"):
+            raise ValueError(f"scaling must be 'current' or 'delayed', got {self.scaling!r}")
+        if self.scaling == "delayed" and self.backward_granularity != "tensor":
+            raise ValueError("scaling='delayed' scales x, dy and W per tensor: it needs bwd_granularity='tensor' (or "
+                             "granularity='tensor')")
+        if self.amax_history < 1:
+            raise ValueError(f"amax_history must be at least 1, got {self.amax_history}")
+        block = self.hadamard_block
+        if block is not None and (block < 1 or block & (block - 1)):
+            raise ValueError(f"hadamard_block must be a power of two, got {self.hadamard_block}")
 
     def __setstate__(self, state):  # unpickled and deep-copied recipes are registered too
         self.__dict__.update(state)
@@ -144,24 +166,6 @@ def get_recipe(recipe: str | Recipe, **overrides) -> Recipe:
     elif not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a recipe name ({', '.join(RECIPES)}) or a Recipe, "
                         f"got {type(recipe).__name__} {recipe!r}")
-    if overrides:
+    if overrides:  # a Recipe checks its fields when it is made (Recipe._validate)
         recipe = recipe.with_(**overrides)
-    if recipe.fwd_fmt not in ("e4m3", "e2m1", "int4_sym"):  # the formats nn/functional.py has a Function for
-        raise ValueError(f"fwd_fmt must be 'e4m3', 'e2m1' or 'int4_sym', got {recipe.fwd_fmt!r}")
-    if recipe.granularity not in ("row", "tensor"):
-        raise ValueError(f"granularity must be 'row' or 'tensor', got {recipe.granularity!r}")
-    if recipe.bwd_granularity not in (None, "row", "tensor"):
-        raise ValueError(f"bwd_granularity must be None, 'row' or 'tensor', got {recipe.bwd_granularity!r}")
-    if recipe.fast_accum and recipe.fwd_fmt != "e4m3":
-        raise ValueError("fast_accum is for the fp8 recipes: it drops accumulator bits, so 4-bit GEMMs would no "
-                         "longer be exact")
-    if recipe.scaling not in ("current", "delayed"):
-        raise ValueError(f"scaling must be 'current' or 'delayed', got {recipe.scaling!r}")
-    if recipe.scaling == "delayed" and recipe.backward_granularity != "tensor":
-        raise ValueError("scaling='delayed' scales x, dy and W per tensor: it needs bwd_granularity='tensor' (or "
-                         "granularity='tensor')")
-    if recipe.amax_history < 1:
-        raise ValueError(f"amax_history must be at least 1, got {recipe.amax_history}")
-    if recipe.hadamard_block is not None and recipe.hadamard_block & (recipe.hadamard_block - 1):
-        raise ValueError(f"hadamard_block must be a power of two, got {recipe.hadamard_block}")
     return recipe
