@@ -12,9 +12,11 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
-def _fsdp_main(*args, **kw):
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fsdp.py"), *args], cwd=ROOT, capture_output=True,
-                          text=True, env=ENV, timeout=300, **kw)
+def _fsdp_main(*args, ranks: int = 0):
+    """benchmarks/fsdp.py with ``args``: in this process's Python, or under torch.distributed.run with ``ranks``."""
+    launch = ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks)] if ranks else []
+    return subprocess.run([sys.executable, *launch, str(ROOT / "benchmarks" / "fsdp.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, env=ENV, timeout=300)
 
 
 def test_largest_shapes_have_their_published_sizes():
@@ -37,11 +39,8 @@ def test_unknown_model_and_bad_layers_are_refused_before_any_work():
 
 def test_small_run_with_fewer_layers_on_two_cpu_ranks(tmp_path):
     out = tmp_path / "fsdp.json"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        str(ROOT / "benchmarks" / "fsdp.py"), "--small", "--layers", "3", "--torch-impl", "fused",
-                        "--optimizers", "torch+bf16,prepare+bf16", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env=ENV)
+    r = _fsdp_main("--small", "--layers", "3", "--torch-impl", "fused", "--optimizers", "torch+bf16,prepare+bf16",
+                   "--out", str(out), ranks=2)
     assert r.returncode == 0, r.stderr[-3000:]
     entry = json.loads(out.read_text())["results"][0]
     assert entry["model"]["n_layer"] == 3 and "3 layers" in entry["model"]["name"]
