@@ -374,6 +374,16 @@ def _worker(rank: int, init_file: str, out_dir: str, ckpt_1proc: str, snapshot_1
         losses.append(dist_step(model, opt, s, rank))
     res["fsdp"] = losses
     res["fsdp_states"] = state_summary(opt, model)
+    # each parameter's preparation (local views, shard offset) is reused from step to step; a state tensor
+    # replaced by another object makes that parameter's afresh
+    before = dict(opt._prepared)
+    dist_step(model, opt, STEPS, rank)
+    res["prepared_reused"] = len(before) > 0 and all(opt._prepared[p] is prep for p, prep in before.items())
+    fc1 = model.fc1.weight
+    opt.state[fc1]["exp_avg_scale"] = opt.state[fc1]["exp_avg_scale"].clone()
+    dist_step(model, opt, STEPS + 1, rank)
+    res["prepared_redone"] = (opt._prepared[fc1] is not before[fc1] and opt._prepared[fc1].local_state[
+        "exp_avg_scale"].data_ptr() == lpdist.local(opt.state[fc1]["exp_avg_scale"]).data_ptr())
     # lpoptim's own load_state_dict on DTensor states: a round trip changes nothing
     before = {k: lpdist.local(v).clone() for st in opt.state.values() for k, v in st.items()}
     opt.load_state_dict(opt.state_dict())
@@ -641,6 +651,7 @@ def test_states_follow_local_shards(run):
     assert s0["fc1.bias"]["exp_avg"] == ("DTensor", "torch.float32", (77,), (39,))  # small: fp32
     assert s0["fc1.weight"]["step"][0] == "Tensor"
     for r in run["ranks"]:
+        assert (r["prepared_reused"], r["prepared_redone"]) == (True, True)
         assert r["roundtrip_equal"] and r["roundtrip_dtensor"]
         assert r["full_sd_plain"] and r["full_sd_reloaded_exact"]
         assert r["torch_sd"][3]["exp_avg"] == ("DTensor", "torch.float32", (77, 48))  # fc1.weight
