@@ -17,8 +17,8 @@ GPU (tokens per GPU per step over the mean step time of the slowest rank). --ac 
 activations. Targets: 7B per-GPU peak <= 0.55x torch AdamW's, tokens/s >= 0.95x.
 
 Optimizer runs (--optimizers, lpoptim's recipe names): ``torch`` and ``lpoptim`` as above; ``+bf16`` shards bf16
-parameters instead of fp32 masters (no fp32 copy anywhere; gradients still reduced in fp32, lpoptim rounds the
-update stochastically);
+parameters instead of fp32 masters (no fp32 copy anywhere; gradients reduced in fp32, or with ``--bf16-reduce``
+in bf16, their own dtype; lpoptim rounds the update stochastically);
 ``+act`` adds compress_activations on every block. ``prepare`` (``+bf16``: bf16 parameters) converts the
 blocks' linears to FP8 before sharding (on GPUs with FP8 tensor cores) and calls ``lpoptim.prepare`` after
 ``fully_shard``: blocks compiled, the step in backward, the head and loss chunked. ``--compile`` compiles the blocks
@@ -71,7 +71,8 @@ CONFIGS = {
 }
 
 
-def build(c: LlamaConfig, device: torch.device, mesh, ac: bool, master: str = "fp32", linears: str | None = None) -> Llama:
+def build(c: LlamaConfig, device: torch.device, mesh, ac: bool, master: str = "fp32", linears: str | None = None,
+          bf16_reduce: bool = False) -> Llama:
     with torch.device("meta"):
         model = Llama(c)
     if master == "bf16":
@@ -82,7 +83,10 @@ def build(c: LlamaConfig, device: torch.device, mesh, ac: bool, master: str = "f
     if ac:  # as torchtitan: the checkpoint inside each block, FSDP2's hooks outside it
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
         model.layers = nn.ModuleList(checkpoint_wrapper(b) for b in model.layers)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if master == "fp32" else None, reduce_dtype=torch.float32)
+    # bf16 parameters have bf16 gradients whatever the reduction's dtype: an fp32 reduce-scatter casts them up and
+    # back (twice the bytes on the wire); --bf16-reduce reduces them as they are
+    reduce = None if bf16_reduce and master == "bf16" else torch.float32
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if master == "fp32" else None, reduce_dtype=reduce)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -127,7 +131,8 @@ def run_one(opt_name: str, c: LlamaConfig, args, device, mesh) -> dict:
     # prepare: FP8 linears (converted before sharding, where the GPU has FP8 tensor cores), then lpoptim.prepare
     # after fully_shard with its own choices (blocks compiled on CUDA, the step in backward)
     fp8 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-    model = build(c, device, mesh, args.ac, stack.master, "fp8_delayed" if base == "prepare" and fp8 else None)
+    model = build(c, device, mesh, args.ac, stack.master, "fp8_delayed" if base == "prepare" and fp8 else None,
+                  args.bf16_reduce)
     if stack.compress:  # compiled: the wrapper calls each block's compiled forward
         lpoptim.compress_activations(model.layers, compile=args.compile)
     params = list(model.parameters())
@@ -195,6 +200,8 @@ def main(argv=None):
                     help="torch AdamW's implementation (default: torch's choice, foreach on CUDA; its step holds "
                          "fp32 temporaries the size of the parameter shard, fused does not)")
     ap.add_argument("--ac", action="store_true", help="activation checkpointing per block")
+    ap.add_argument("--bf16-reduce", action="store_true",
+                    help="runs with bf16 parameters (+bf16) reduce-scatter their gradients in bf16 rather than fp32")
     ap.add_argument("--compile", action="store_true",
                     help="compile each block of the torch and lpoptim runs (prepare compiles on CUDA by itself)")
     ap.add_argument("--layers", type=int, default=None,
@@ -255,7 +262,7 @@ def main(argv=None):
         meta = {**environment(), "command": " ".join(["torchrun", f"--nproc_per_node {world}", *sys.argv]),
                 "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "world_size": world,
                 "device": torch.cuda.get_device_name(device) if use_cuda else "cpu", "batch_per_gpu": args.batch, "seq": args.seq, "steps": args.steps,
-                "warmup": args.warmup, "activation_checkpointing": args.ac, "compile": args.compile, "torch_impl": args.torch_impl, "mixed_precision": "bf16 / fp32 reduce",
+                "warmup": args.warmup, "activation_checkpointing": args.ac, "compile": args.compile, "torch_impl": args.torch_impl, "mixed_precision": "bf16 / fp32 reduce" + (" (bf16 parameters: bf16 reduce)" if args.bf16_reduce else ""),
                 "targets": TARGETS}
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
