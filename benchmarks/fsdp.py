@@ -139,7 +139,8 @@ def run_one(opt_name: str, c: LlamaConfig, args, device, mesh) -> dict:
     plan = None
     if base == "prepare":
         model.chunked_loss = True  # the head and loss chunk by chunk (prepare's chunked loss is HF's hook)
-        opt = lpoptim.prepare(model, lr=1e-4, weight_decay=0.1)
+        activations = {"auto": "auto", "none": None}.get(args.prepare_activations, args.prepare_activations)
+        opt = lpoptim.prepare(model, lr=1e-4, weight_decay=0.1, activations=activations)
         plan = opt.plan.summary()
     elif args.compile and not stack.compress:  # torch and lpoptim runs: each block compiled in place, as prepare does
         for layer in model.layers:
@@ -200,6 +201,9 @@ def main(argv=None):
                     help="torch AdamW's implementation (default: torch's choice, foreach on CUDA; its step holds "
                          "fp32 temporaries the size of the parameter shard, fused does not)")
     ap.add_argument("--ac", action="store_true", help="activation checkpointing per block")
+    ap.add_argument("--prepare-activations", choices=["auto", "none", "fp8", "recompute"], default="auto",
+                    help="prepare runs: what the blocks save (prepare's activations=; auto: nothing changed, as "
+                         "prepare takes no memory budget under FSDP2). recompute: each block's input in FP8 only")
     ap.add_argument("--bf16-reduce", action="store_true",
                     help="runs with bf16 parameters (+bf16) reduce-scatter their gradients in bf16 rather than fp32")
     ap.add_argument("--compile", action="store_true",
@@ -263,6 +267,7 @@ def main(argv=None):
                 "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "world_size": world,
                 "device": torch.cuda.get_device_name(device) if use_cuda else "cpu", "batch_per_gpu": args.batch, "seq": args.seq, "steps": args.steps,
                 "warmup": args.warmup, "activation_checkpointing": args.ac, "compile": args.compile, "torch_impl": args.torch_impl, "mixed_precision": "bf16 / fp32 reduce" + (" (bf16 parameters: bf16 reduce)" if args.bf16_reduce else ""),
+                "prepare_activations": args.prepare_activations,
                 "targets": TARGETS}
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)

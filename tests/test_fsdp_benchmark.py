@@ -40,11 +40,14 @@ def test_unknown_model_and_bad_layers_are_refused_before_any_work():
 def test_small_run_with_fewer_layers_on_two_cpu_ranks(tmp_path):
     out = tmp_path / "fsdp.json"
     r = _fsdp_main("--small", "--layers", "3", "--torch-impl", "fused", "--optimizers", "torch+bf16,prepare+bf16",
-                   "--out", str(out), ranks=2)
+                   "--prepare-activations", "recompute", "--bf16-reduce", "--out", str(out), ranks=2)
     assert r.returncode == 0, r.stderr[-3000:]
-    entry = json.loads(out.read_text())["results"][0]
+    result = json.loads(out.read_text())
+    assert result["meta"]["prepare_activations"] == "recompute" and "bf16 reduce" in result["meta"]["mixed_precision"]
+    entry = result["results"][0]
     assert entry["model"]["n_layer"] == 3 and "3 layers" in entry["model"]["name"]
     runs = entry["runs"]
     assert list(runs) == ["torch+bf16", "prepare+bf16"] and all(run["finite"] for run in runs.values())
     assert entry["baseline"] == "torch+bf16" and "tokens_ratio" in runs["prepare+bf16"]  # against the first run
     assert runs["prepare+bf16"]["state_gib_per_gpu"] < runs["torch+bf16"]["state_gib_per_gpu"]
+    assert "FP8 block inputs + recompute" in runs["prepare+bf16"]["plan"]
