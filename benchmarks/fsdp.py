@@ -28,6 +28,7 @@ default; a run out of memory is recorded as such).
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
 import math
@@ -186,6 +187,20 @@ def run_one(opt_name: str, c: LlamaConfig, args, device, mesh) -> dict:
     }
 
 
+def compared(name: str, c: LlamaConfig, runs: dict) -> dict:
+    """One model's entry: its runs, each compared with the first that ran (torch AdamW by default; one out of
+    memory is no baseline)."""
+    entry = {"model": {"name": name, **asdict(c)}, "runs": runs}
+    t = next((r for r in runs.values() if "error" not in r), {})
+    entry["baseline"] = t.get("optimizer")
+    for r in runs.values():
+        if r is not t and t.get("peak_gib_per_gpu") and r.get("peak_gib_per_gpu"):
+            r["peak_ratio"] = r["peak_gib_per_gpu"] / t["peak_gib_per_gpu"]
+        if r is not t and t.get("tokens_per_s_per_gpu") and r.get("tokens_per_s_per_gpu"):
+            r["tokens_ratio"] = r["tokens_per_s_per_gpu"] / t["tokens_per_s_per_gpu"]
+    return entry
+
+
 # ---- main --------------------------------------------------------------------------------------------------
 
 
@@ -226,7 +241,9 @@ def main(argv=None):
         args.models, args.seq, args.steps, args.warmup = "small", 64, 3, 1
 
     use_cuda = torch.cuda.is_available() and not args.small
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    # a collective that waits 5 minutes ends the run (a rank out of memory leaves the others waiting), well within
+    # what a single call on a lent machine may take; the runs before it are on disk (save below)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=5))
     rank, world = dist.get_rank(), dist.get_world_size()
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
@@ -235,6 +252,25 @@ def main(argv=None):
         device = torch.device("cpu")
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device.type, (world,))
+
+    meta = {"command": " ".join(["torchrun", f"--nproc_per_node {world}", *sys.argv]),
+            "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "world_size": world,
+            "device": torch.cuda.get_device_name(device) if use_cuda else "cpu", "batch_per_gpu": args.batch,
+            "seq": args.seq, "steps": args.steps, "warmup": args.warmup, "activation_checkpointing": args.ac,
+            "compile": args.compile, "torch_impl": args.torch_impl,
+            "mixed_precision": "bf16 / fp32 reduce" + (" (bf16 parameters: bf16 reduce)" if args.bf16_reduce else ""),
+            "prepare_activations": args.prepare_activations, "targets": TARGETS}
+    if rank == 0:
+        from lpoptim.bench import environment
+
+        meta = {**environment(), **meta}
+
+    def save(results) -> None:
+        """Written after every run, so that a later run that never returns (a rank out of memory while the others
+        wait in a collective) leaves the runs before it on disk."""
+        if rank == 0 and args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
 
     results = []
     for key in args.models.split(","):
@@ -249,29 +285,10 @@ def main(argv=None):
                 runs[opt_name] = {"optimizer": opt_name, "error": f"OOM: {str(e).splitlines()[0]}"}
                 gc.collect()
                 torch.cuda.empty_cache()
-        entry = {"model": {"name": name, **asdict(c)}, "runs": runs}
-        # every other run against the first that ran (torch AdamW by default; one out of memory is no baseline)
-        t = next((r for r in runs.values() if "error" not in r), {})
-        entry["baseline"] = t.get("optimizer")
-        for r in runs.values():
-            if r is not t and t.get("peak_gib_per_gpu") and r.get("peak_gib_per_gpu"):
-                r["peak_ratio"] = r["peak_gib_per_gpu"] / t["peak_gib_per_gpu"]
-            if r is not t and t.get("tokens_per_s_per_gpu") and r.get("tokens_per_s_per_gpu"):
-                r["tokens_ratio"] = r["tokens_per_s_per_gpu"] / t["tokens_per_s_per_gpu"]
-        results.append(entry)
+            save(results + [compared(name, c, runs)])
+        results.append(compared(name, c, runs))
 
     if rank == 0:
-        from lpoptim.bench import environment
-
-        meta = {**environment(), "command": " ".join(["torchrun", f"--nproc_per_node {world}", *sys.argv]),
-                "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "world_size": world,
-                "device": torch.cuda.get_device_name(device) if use_cuda else "cpu", "batch_per_gpu": args.batch, "seq": args.seq, "steps": args.steps,
-                "warmup": args.warmup, "activation_checkpointing": args.ac, "compile": args.compile, "torch_impl": args.torch_impl, "mixed_precision": "bf16 / fp32 reduce" + (" (bf16 parameters: bf16 reduce)" if args.bf16_reduce else ""),
-                "prepare_activations": args.prepare_activations,
-                "targets": TARGETS}
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
         print(f"\nFSDP2 x{world} ({meta['device']}), bf16 compute, batch {args.batch} x {args.seq} per GPU, "
               f"AC {'on' if args.ac else 'off'}, torch AdamW {args.torch_impl}")
         print(f"targets vs the first run: peak <= {TARGETS['peak_ratio_max']}x, tokens/s >= {TARGETS['tokens_ratio_min']}x")
