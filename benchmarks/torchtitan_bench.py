@@ -150,6 +150,17 @@ def synthetic_components(vocab: int):
     return SyntheticTokenizer.Config(), SyntheticDataLoader.Config()
 
 
+def lpoptim_variant(variant: str) -> tuple[bool, bool] | None:
+    """None for torchtitan's own variants (float8, adamw); for lpoptim's, (bf16 parameters, FP8 activations).
+    SystemExit for any other name: main() checks every --variants name before the first run starts."""
+    if variant in ("float8", "adamw"):
+        return None
+    if variant.removesuffix("_noact") not in ("lpoptim", "lpoptim_bf16"):
+        raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)} (lpoptim ones also "
+                         f"with _noact)")
+    return "_bf16" in variant, not variant.endswith("_noact")
+
+
 def CONFIGURABLE() -> bool:
     """torchtitan >= 0.3 (Configurable configs) rather than 0.2 (JobConfig)."""
     import importlib.util
@@ -201,19 +212,16 @@ def make_config(args, variant: str):
     config.checkpoint.enable = False
     config.validator.enable = False
     config.dump_folder = tempfile.mkdtemp(prefix="tt_bench_")
-    if variant.startswith("lpoptim"):
+    lp = lpoptim_variant(variant)
+    if lp is not None:
         sys.path.insert(0, str(ROOT))
         from lpoptim.integrations.torchtitan import use_lpoptim
-        base, bf16, act = variant.removesuffix("_noact"), "_bf16" in variant, not variant.endswith("_noact")
-        if base not in VARIANTS:
-            raise SystemExit(f"unknown variant {variant!r}")
+        bf16, act = lp
         if bf16:
             config.training.dtype = "bfloat16"
         use_lpoptim(config, recipe=args.lp_recipe, activations=act,
                     activation_options={"recompute": args.lp_recompute} if act else None,
                     state_bits=args.lp_state_bits, bf16_stochastic_round=bf16)
-    elif variant not in VARIANTS:
-        raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
     return config
 
 
@@ -284,12 +292,10 @@ def jobconfig_for(args, variant: str):
     if variant == "float8":
         cli += ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise",
                 "--quantize.linear.float8.filter_fqns", "output"]
-    elif variant.startswith("lpoptim"):
+    elif lpoptim_variant(variant) is not None:
         sys.path.insert(0, str(ROOT))
         from lpoptim.integrations.torchtitan import register_lpoptim_train_spec
-        base_v, bf16, act = variant.removesuffix("_noact"), "_bf16" in variant, not variant.endswith("_noact")
-        if base_v not in VARIANTS:
-            raise SystemExit(f"unknown variant {variant!r}")
+        bf16, act = lpoptim_variant(variant)
         m = "lpoptim.integrations.torchtitan"
         cli += ["--job.custom_config_module", m, "--experimental.custom_import", m,
                 "--model.name", register_lpoptim_train_spec("llama3_bench"), "--model.converters", "lpoptim",
@@ -301,8 +307,6 @@ def jobconfig_for(args, variant: str):
             cli += ["--lpoptim.no-activations"]
         if bf16:
             cli += ["--training.dtype", "bfloat16", "--optimizer.bf16_stochastic_round"]
-    elif variant not in VARIANTS:
-        raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
     job_config = ConfigManager().parse_args(cli)
     info = {"activation_checkpoint": job_config.activation_checkpoint.mode, "training_dtype": job_config.training.dtype,
             "compile_components": list(job_config.compile.components) if job_config.compile.enable else [],
@@ -364,16 +368,14 @@ def worker(args):
 
 
 def versions():
-    import importlib.metadata as md
+    """What every results JSON of lpoptim records (lpoptim.bench.environment: GPU, torch, triton, torchao, ...,
+    the command line), with CUDA's version and torchtitan's packages."""
     import torch
-    v = {"torch": torch.__version__, "cuda": torch.version.cuda,
-         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-    for pkg in ("torchtitan", "torchao", "triton", "spmd_types"):
-        try:
-            v[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            v[pkg] = None
-    return v
+    sys.path.insert(0, str(ROOT))
+    from lpoptim.bench import _version, environment
+    return {**environment(), "cuda": torch.version.cuda,
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "torchtitan": _version("torchtitan"), "spmd_types": _version("spmd_types")}
 
 
 def main(argv=None):
@@ -381,6 +383,8 @@ def main(argv=None):
         return worker(parse(json.loads(os.environ[WORKER_ARGS])))
     args = parse(argv)
     variants = [v for v in args.variants.split(",") if v]
+    for v in variants:  # a misspelt name refused before the first run (each takes minutes)
+        lpoptim_variant(v)
     results, failed = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for v in variants:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -411,7 +412,8 @@ def state4_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax >= FP32_MIN_NORMAL, amax.float(), torch.zeros_like(amax, dtype=torch.float32))
 
 
-def _encode4(g: torch.Tensor, second: bool, noise: torch.Tensor | None = None, floor: torch.Tensor | None = None):
+def _encode4(g: torch.Tensor, second: bool, noise: torch.Tensor | None = None,
+             floor: Callable[[torch.Tensor], torch.Tensor] | None = None):
     """encode4_groups, and the rounded magnitudes (m: q = round(fmin(|x| · 7/c, 7)), 0..7, 7 for NaN as the
     kernel's NaN-dropping minimum gives it; v: j, 1..16). ``floor`` (v only; encode4_v_floor): a function of v's
     16/c per group giving, per element, what j is raised to (its ceil, capped at 16)."""
@@ -504,7 +506,8 @@ def quantize_state4_moments(m: torch.Tensor, v: torch.Tensor, group_size: int = 
     """m and v -> (m's codes, m's scales, v's codes, v's scales) as quantize_state4 gives them, v's codes raised
     to the groups' ratio bound of these exact moments (``noise``: v's stochastic rounding)."""
     gm, gv = to_groups(m.float(), group_size), to_groups(v.float(), group_size)
-    r2 = state4_ratio_bound(m, v, group_size)
+    # state4_ratio_bound of the groups already made (their zero padding gives 0 either way)
+    r2 = ratio_bound_elements(gm, gv).amax(dim=-1)
     nib_m, scale_m, q_m = _encode4(gm, False)
     n = None if noise is None else to_groups(noise.float(), group_size)
     nib_v, scale_v, _ = _encode4(gv, True, n, encode4_v_floor(q_m, scale_m, r2))

@@ -119,7 +119,8 @@ def test_fp4_forward_is_clamped_gemm_plus_residual():
 
 # Relative (Frobenius) error bounds on this case: fp32 input of 120 tokens × 128 with one outlier channel (×20),
 # W ~ N(0, 0.05²), 96 outputs. Measured (3 seeds): fp8 y .027-.031 dx .056 dW .052-.064; fp4 y .25 (.071 with the
-# paper's OCC); int4 y .14-.15 (.30-.33 without the Hadamard). dx and dW are dominated by E5M2's 2 mantissa bits. With the DGE (the paper's fp4) the weight gradient is compared with the fp32 gradient times f'(W).
+# paper's OCC); int4 y .14-.15 (.30-.33 without the Hadamard). dx and dW are dominated by E5M2's 2 mantissa bits.
+# With the DGE (the paper's fp4) the weight gradient is compared with the fp32 gradient times f'(W).
 BOUNDS = {  # recipe: (y, dx, dW)
     "fp8": (0.045, 0.075, 0.085),
     "fp8_tensor": (0.05, 0.08, 0.09),
@@ -348,13 +349,13 @@ def test_no_tokens_gives_empty_output_and_zero_weight_grad(recipe):
 def test_specs_and_recipes_check_their_fields_when_made():
     """A QuantSpec or Recipe with a field no backend handles is refused where it is made, not at its first call
     (where the reference and the kernel backend would disagree about it)."""
-    from lpoptim.nn.operands import QuantSpec
     from lpoptim.nn.recipes import Recipe
 
     for kw, msg in ((dict(fmt="e3m3"), "format"), (dict(granularity="group"), "granularity"),
                     (dict(scaling="delay"), "scaling"), (dict(keep="max"), "keep"), (dict(pad_to=0), "pad_to"),
                     (dict(hadamard_block=48), "power of two"), (dict(hadamard_block=64, keep="amax"), "Hadamard"),
-                    (dict(hadamard_block=64, granularity="tensor"), "Hadamard")):
+                    (dict(hadamard_block=64, granularity="tensor"), "Hadamard"),
+                    (dict(keep="col_max", granularity="tensor"), "col_max")):
         with pytest.raises(ValueError, match=msg):
             QuantSpec(**{"fmt": "int4_sym", **kw})
     with pytest.raises(ValueError, match="bwd_granularity"):

@@ -8,6 +8,7 @@ import triton.language as tl
 from lpoptim.kernels.grid import div_rn_by
 from lpoptim.nn import LowBitLinear
 from lpoptim.nn.operands import QuantSpec, gemm, quantize, quantize_operand_ref, quantize_pair
+from test_linear import variant  # the recipe names with options ("fp4/paper", "int4/bwd_row") as there
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -57,10 +58,7 @@ def test_scaled_mm_4bit_is_exact(fmt):
 @pytest.mark.parametrize("recipe", ["fp8", "fp8_tensor", "fp4", "fp4/paper", "int4", "int4/bwd_row"])
 def test_layer_on_gpu_matches_cpu_reference(recipe):
     torch.manual_seed(0)
-    recipe, _, option = recipe.partition("/")
-    # paper: Wang et al.'s fp4 (outlier clamping, DGE, the backward per row)
-    overrides = (dict(occ_alpha=0.99, dge_k=5.0, bwd_granularity="row") if option == "paper" else
-                 {"bwd_granularity": option.removeprefix("bwd_")} if option else {})
+    recipe, overrides = variant(recipe)  # paper: Wang et al.'s fp4 (outlier clamping, DGE, the backward per row)
     lin = torch.nn.Linear(256, 512).cuda()
     m = LowBitLinear.from_linear(lin, recipe, **overrides)
     x = torch.randn(2, 100, 256, device="cuda", requires_grad=True)

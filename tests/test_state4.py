@@ -131,6 +131,15 @@ def _per_element(r2, shape):
     return quant.from_groups(quant.to_groups(torch.zeros(shape, dtype=r2.dtype), 128) + r2.unsqueeze(-1), shape)
 
 
+def _exact_moments(state, g, beta1, beta2):
+    """The fp32 m and v that reference_adamw_step computes from a 4-bit ``state`` and ``g`` before encoding
+    them (its arithmetic, Adam's bound at decode included)."""
+    m0 = load_moment(state, "exp_avg", LAYOUT4, g.shape)
+    v0 = torch.fmax(load_moment(state, "exp_avg_sq", LAYOUT4, g.shape),
+                    m0 * m0 * quant.adam_bound_inv(state["step"], beta1, beta2))
+    return m0 + (1 - beta1) * (g - m0), v0 * beta2 + (1 - beta2) * g * g
+
+
 @pytest.mark.parametrize("shape", [(3, 300), (16, 256), (7,), (2, 3, 130), (0, 128)])
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_encode_raises_v_to_the_groups_ratio_bound(shape, stochastic):
@@ -331,11 +340,7 @@ def test_every_decoded_ratio_is_within_its_groups_exact_one_after_a_step():
     exceeded = 0
     for t in range(12):
         g = torch.randn(p.shape, generator=gen) * torch.exp(torch.randn(p.shape, generator=gen))
-        # the step's exact moments, as the reference computes them
-        m0 = load_moment(st, "exp_avg", LAYOUT4, p.shape)
-        v0 = torch.fmax(load_moment(st, "exp_avg_sq", LAYOUT4, p.shape),
-                        m0 * m0 * quant.adam_bound_inv(st["step"], 0.9, 0.999))
-        m_exact, v_exact = m0 + 0.1 * (g - m0), v0 * 0.999 + (1 - 0.999) * g * g
+        m_exact, v_exact = _exact_moments(st, g, 0.9, 0.999)  # the step's, as the reference computes them
         reference_adamw_step(p, g, st, LAYOUT4, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                              amsgrad=False, maximize=False, state_salt=1)
         noise = uniform_noise(p.shape, v_noise_key(st["step"], 1))
@@ -460,10 +465,7 @@ def test_kernel_raises_v_to_the_ratio_bound_as_the_reference(_tiles):
     raised = 0
     for _ in range(4):
         g = torch.randn(p.shape, generator=gen) * torch.exp(2 * torch.randn(p.shape, generator=gen))
-        m0 = load_moment(rs, "exp_avg", LAYOUT4, p.shape)
-        v0 = torch.fmax(load_moment(rs, "exp_avg_sq", LAYOUT4, p.shape),
-                        m0 * m0 * quant.adam_bound_inv(rs["step"], 0.9, 0.99))
-        v_exact = v0 * 0.99 + (1 - 0.99) * g * g
+        _, v_exact = _exact_moments(rs, g, 0.9, 0.99)
         kernel.fused_adamw_step([(p, g, s, LAYOUT4)], state_salts=[3], **hyper)
         reference_adamw_step(rp, g, rs, LAYOUT4, state_salt=3, **hyper)
         assert s.keys() == rs.keys() and all(torch.equal(s[k], rs[k]) for k in s)

@@ -192,13 +192,16 @@ def quantize_rows(x: torch.Tensor, fmt, granularity: str = "row", hadamard_block
     """Rows of 2-D ``x`` (any strides) -> (values (R, cols) fp8 contiguous, scale fp32 (R, 1) or 0-dim).
 
     Columns beyond x's are zero (padding for the GEMM). Same result as operands.quantize_operand_ref. At most one
-    of these maxima, fp32 bits in int32 on x's device, per row without a Hadamard block: ``col_max`` (one per
-    column, zeros): the row pass also leaves each column's finite absmax there, what quantizing x.t() takes as
-    ``row_max`` (one per row): the rows' finite absmax, known, so one pass (quantize_rows_and_cols);
-    ``tensor_max`` (one, zero): the first pass also leaves x's finite absmax there, what a per-tensor copy of x
-    needs (``.view(torch.float32)``), without a pass of its own. (With a Hadamard the rows' maxima are of the
-    mixed values; taking x's own alongside slowed the kernel by more than a separate absmax pass costs, measured
-    on an H100.)
+    of these maxima (fp32 bits in int32 on x's device; per row without a Hadamard block):
+
+    - ``col_max`` (one per column, zeros): the row pass also leaves each column's finite absmax there, what
+      quantizing x.t() later takes as ``row_max``;
+    - ``row_max`` (one per row): the rows' finite absmax, already known, so one pass (quantize_rows_and_cols);
+    - ``tensor_max`` (one, zero): the first pass also leaves x's finite absmax there, what a per-tensor copy of x
+      needs (``.view(torch.float32)``), without a pass of its own.
+
+    (With a Hadamard the rows' maxima are of the mixed values; taking x's own alongside slowed the kernel by more
+    than a separate absmax pass costs, measured on an H100.)
     """
     if col_max is not None or row_max is not None or tensor_max is not None:
         given = [(n, t) for n, t in (("col_max", col_max), ("row_max", row_max), ("tensor_max", tensor_max))
@@ -288,10 +291,11 @@ def _quant_tensor_kernel(x_ptr, amax_ptr, row_ptr, row_scale_ptr, col_ptr, col_s
                          ON_GPU: tl.constexpr, DELAYED: tl.constexpr, REDO: tl.constexpr, N_SLOTS: tl.constexpr,
                          SLOTS_P2: tl.constexpr, STORE_USED: tl.constexpr):
     """A (BLOCK_R, BLOCK_C) tile of x scaled by one per-tensor scale: written as rows (R, CP) in ROW_FMT and/or as
-    columns, transposed, (C, RP) in COL_FMT (a format's constexprs, or None: no such copy), zero-padded. The scales (amax / FMAX) are worked out from the finite absmax: x's own at
-    ``amax_ptr``, or with DELAYED the largest in x's history ring (nn/delayed.py: N_SLOTS int32 slots from
-    ``hist_ptr + HIST_OFFSET``, all but W_SLOT and Z_SLOT), in which case each tile's finite absmax goes into slot
-    W_SLOT (an atomic) and the first program zeroes slot Z_SLOT for the next call. REDO, launched after a DELAYED
+    columns, transposed, (C, RP) in COL_FMT (a format's constexprs, or None: no such copy), zero-padded. The
+    scales (amax / FMAX) are worked out from the finite absmax: x's own at ``amax_ptr``, or with DELAYED the
+    largest in x's history ring (nn/delayed.py: N_SLOTS int32 slots from ``hist_ptr + HIST_OFFSET``, all but
+    W_SLOT and Z_SLOT), in which case each tile's finite absmax goes into slot W_SLOT (an atomic) and the first
+    program zeroes slot Z_SLOT for the next call. REDO, launched after a DELAYED
     pass, quantizes again with x's own absmax (now in W_SLOT) where that exceeds the history's, and else does
     nothing: no value ever saturates, and the result is the reference's max(history, own) scale. With STORE_USED
     its first program stores that absmax, max(history, own), at ``amax_ptr`` (what a later copy scaled alike takes).
@@ -371,8 +375,9 @@ def _tensor_constexprs(row_fmt, col_fmt, slots: int, block_r: int, block_c: int,
     """_quant_tensor_kernel's constexprs for one configuration (formats, None for a copy not written; tile;
     history length, 0: no history; whether the used absmax is stored)."""
     return dict(ROW_FMT=None if row_fmt is None else _format_constexprs(row_fmt),
-                COL_FMT=None if col_fmt is None else _format_constexprs(col_fmt), BLOCK_R=block_r, BLOCK_C=block_c, ON_GPU=not interp, N_SLOTS=max(slots, 1),
-                SLOTS_P2=next_power_of_2(max(slots, 1)), STORE_USED=store_used)
+                COL_FMT=None if col_fmt is None else _format_constexprs(col_fmt), BLOCK_R=block_r, BLOCK_C=block_c,
+                ON_GPU=not interp, N_SLOTS=max(slots, 1), SLOTS_P2=next_power_of_2(max(slots, 1)),
+                STORE_USED=store_used)
 
 
 @functools.cache

@@ -63,6 +63,8 @@ class QuantSpec:
         if block and (self.keep or self.granularity == "tensor"):
             raise ValueError("a Hadamard block goes with per-row scaling and nothing kept (the statistic kept would "
                              "be of the rotated rows)")
+        if self.keep == "col_max" and self.granularity != "row":  # neither backend would keep anything
+            raise ValueError("keep='col_max' goes with per-row scaling (per tensor: keep='amax')")
 
 
 @dataclass
@@ -161,9 +163,8 @@ def quantize_pair(x: torch.Tensor, rows: QuantSpec, cols: QuantSpec, history=Non
 
 
 def _check(x: torch.Tensor, spec: QuantSpec, amax, history):
-    """The history quantize uses (None for current scaling), after checking the arguments fit the spec."""
-    if spec.granularity not in ("row", "tensor"):
-        raise ValueError(f"granularity must be 'tensor' or 'row', got {spec.granularity!r}")
+    """The history quantize uses (None for current scaling), after checking the arguments fit the spec (whose own
+    fields QuantSpec checked when it was made)."""
     if spec.scaling != "delayed":
         history = None
     elif history is not None and (amax is not None or spec.granularity != "tensor" or spec.hadamard_block):
@@ -185,9 +186,7 @@ def _quantize_kernel(x, spec: QuantSpec, block, cols, amax, history) -> Operand:
     """quantize's Triton backend (CUDA, eager)."""
     from ..kernels import linear_quant as lq
     keep = spec.keep
-    if spec.granularity == "tensor":
-        if block:
-            raise NotImplementedError("per-tensor scaling with a Hadamard transform: use granularity='row'")
+    if spec.granularity == "tensor":  # (no Hadamard block: QuantSpec refuses one per tensor)
         used = None
         if keep == "amax":
             if history is not None:  # the absmax the scale came from, max(history, own), from the same pass

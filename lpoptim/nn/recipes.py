@@ -144,8 +144,9 @@ FP8_DELAYED = Recipe("fp8_delayed", granularity="tensor", scaling="delayed")
 # E2M1 forward per row, the fp8 backward per tensor (as int4's: faster than per row on an H100,
 # docs/results/linear_h100_bwd_granularity.json), straight-through gradients. The paper's other two parts
 # stay options: its DGE (dge_k=5.0) weights dW by a derivative whose mean is 0.59 (at 113 M parameters the best
-# validation loss came out 2.3% above torch AdamW's with it, 1.1% without; docs/linear.md); its outlier clamping
-# (occ_alpha=0.99) adds a sparse residual GEMM that is not fused (0.10-0.15x compiled bf16)
+# validation loss came out 2.3% above torch AdamW's with it, 1.1% without, one H100;
+# docs/results/train_gpt2_113m_python_stdlib_h100.json); its outlier clamping (occ_alpha=0.99) adds a sparse
+# residual GEMM that is not fused (0.10-0.15x compiled bf16 per layer on an H100, docs/results/linear_h100.json)
 FP4 = Recipe("fp4", fwd_fmt="e2m1", bwd_granularity="tensor")
 INT4 = Recipe("int4", fwd_fmt="int4_sym", hadamard_block=128, bwd_granularity="tensor")
 

@@ -188,7 +188,8 @@ class AdamW(Optimizer):
                 raise RuntimeError("lpoptim.AdamW does not support sparse gradients")
             prep = prepared.get(p)
             # what a parameter needs besides its gradient, worked out once: a step's host time is per parameter
-            # (under FSDP2 a fresh preparation costs ~0.1 ms of Python a parameter: DTensor views and offsets)
+            # (under FSDP2 a fresh preparation cost ~0.1 ms of Python a parameter, DTensor views and offsets: a lab
+            # profile of Llama-2-7B on 2 H100s, torch 2.11, not kept; docs/distributed.md has the step times)
             if (prep is None or prep.options != options or prep.state is not self.state.get(p) or not prep.state
                     or prep.tensor_key != (p.shape, p.dtype, p.device)  # p.data reassigned
                     or (prep.dtensor and not prep.same_locals(p))):

@@ -21,7 +21,7 @@ STDLIB_CHARS = 1_500_000  # the small presets' cut (their published figures were
 def python_stdlib_text(path: str | Path, limit: int = STDLIB_CHARS) -> Path:
     """A second real text on every machine, unrelated to the bundled one: the Python standard library's own
     source (its top-level modules in name order, then its packages' modules in path order, cut at ``limit``
-    characters; 10-30 M characters in all, as installed: 10.7 MB in one Python 3.12, 31.5 M characters in a
+    characters; 10-30 M characters in all, as installed: 10.7 M in one Python 3.12, 31.5 M in a
     3.11 with its tests; train.json records the count), written to ``path`` once. The first 1.5 M characters are
     the same whatever the limit."""
     path = Path(path)
