@@ -216,7 +216,7 @@ def main(argv=None):
                     help="torch AdamW's implementation (default: torch's choice, foreach on CUDA; its step holds "
                          "fp32 temporaries the size of the parameter shard, fused does not)")
     ap.add_argument("--ac", action="store_true", help="activation checkpointing per block")
-    ap.add_argument("--prepare-activations", choices=["auto", "none", "fp8", "recompute"], default="auto",
+    ap.add_argument("--prepare-activations", choices=["auto", "none", "fp8", "fp8_attention", "recompute"], default="auto",
                     help="prepare runs: what the blocks save (prepare's activations=; auto: nothing changed, as "
                          "prepare takes no memory budget under FSDP2). recompute: each block's input in FP8 only")
     ap.add_argument("--bf16-reduce", action="store_true",

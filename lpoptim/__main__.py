@@ -47,7 +47,7 @@ PRESETS = {
 # 1.5 M their published figures were measured on
 STDLIB_CHARS_BY_PRESET = {"gpt2-113m": 40_000_000}
 # the loop builds its own model, optimizer and data: these parts are bench's alone
-TRAIN_PARTS = "an optimizer (torch, lpoptim), then any of +bf16, +s4, +act, +<linear recipe>"
+TRAIN_PARTS = "an optimizer (torch, lpoptim), then any of +bf16, +s4, +act, +attn (with +act), +<linear recipe>"
 
 
 class Parser(argparse.ArgumentParser):
@@ -89,8 +89,8 @@ def train_run(stack: Stack) -> dict:
             or stack.activation_budget is not None or stack.cuda_graphs):
         raise ValueError(f"run {stack.name!r}: train takes {TRAIN_PARTS}")
     options = dict(state_bits=4) if stack.state_bits == 4 else {}
-    return dict(optimizer=stack.optimizer, recipe=stack.linears, compress=stack.compress, master=stack.master,
-                optimizer_options=options)
+    return dict(optimizer=stack.optimizer, recipe=stack.linears, compress=stack.compress, attention=stack.attention,
+                master=stack.master, optimizer_options=options)
 
 
 def train_runs(text: str) -> list[tuple[str, dict]]:

@@ -149,7 +149,8 @@ def build(stack: Stack, cfg: LlamaConfig, device: str, compile_blocks: bool):
     if stack.compress:
         from .activations import compress_activations
 
-        handle = compress_activations(model.layers, recompute=stack.recompute, compile=wrapper_compiles)
+        handle = compress_activations(model.layers, recompute=stack.recompute, compile=wrapper_compiles,
+                                      attention="fp8" if stack.attention else "keep")
     groups, lr, betas = model.param_groups(0.1), 1e-4, (0.9, 0.95)
     if stack.optimizer in ("torch", "lpoptim"):
         options = dict(fused=True) if stack.optimizer == "torch" and device == "cuda" else {}
@@ -220,7 +221,8 @@ def build_hf(stack: Stack, hf_config, device: str, compile_blocks: bool, tokens:
         else:
             options = dict(linears=stack.linears, compile=compile_blocks, step_in_backward=stack.in_backward,
                            chunked_loss=stack.chunked_loss,
-                           activations="recompute" if stack.recompute else "fp8" if stack.compress else
+                           activations="recompute" if stack.recompute else
+                           ("fp8_attention" if stack.attention else "fp8") if stack.compress else
                            # +sac100 keeps every activation: Inductor's default, no budget for prepare (in (0, 1))
                            stack.activation_budget if stack.activation_budget != 1 else None)
         opt = prepare(model, lr, betas=betas, weight_decay=0.1, state_bits=stack.state_bits, **options)

@@ -7,7 +7,8 @@ activations are a model: per token and block, a multiple of the bytes of the inp
 (what those layers save), calibrated on HF's Llama-2-7B shape at 1 x 2048 tokens, bf16, one H100, torch 2.11
 (``lpoptim bench --hf-config llama2-7b``, eager and ``--compile``): 2.6 of them eager, 1.75 compiled; then x 0.32
 with FP8 activations eager, x 0.5 with FP8 activations and FP8 linears eager; compiled, x 0.62 with FP8
-activations, x 0.75 with FP8 linears, x 0.55 with both; with recompute, one FP8 block input per block and one
+activations, x 0.75 with FP8 linears, x 0.55 with both; attention's q, k, v and output packed too (FP8 per row:
+half their bf16 bytes) save half of those; with recompute, one FP8 block input per block and one
 block's activations while it is replayed. The LM head and loss: about 10 bytes per logit (the logits, their fp32
 copy and softmax's gradient), or with the chunked loss the hidden states' gradient and the head's weight
 gradient. Then 1.2% for the allocator. On HF Llama shapes of 7B, 13B and 26B (1 x 2048 and 4 x 2048, eighteen
@@ -53,6 +54,18 @@ def linear_input_features(block: nn.Module) -> int:
     return sum(m.in_features for m in block.modules() if isinstance(m, nn.Linear))
 
 
+def attention_saved_features(model: nn.Module, width: int) -> int:
+    """Features per token of what a block's attention saves for backward: q, k, v and its output (from an HF
+    config's heads; else 4 x the block's width)."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if isinstance(heads, int) and heads > 0:
+        head_dim = getattr(config, "head_dim", None) or width // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return 2 * (heads + kv_heads) * head_dim
+    return 4 * width
+
+
 def estimate_peak_bytes(model: nn.Module, blocks: nn.ModuleList, plan, tokens: int) -> float:
     """Estimated peak bytes of one training step of ``model`` under ``plan`` (a planner.Plan) at ``tokens`` tokens."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -72,10 +85,12 @@ def estimate_peak_bytes(model: nn.Module, blocks: nn.ModuleList, plan, tokens: i
         replayed = per_block_token * FACTOR[plan.compile, bool(plan.linears), False]
         activations = tokens * (len(blocks) * width + replayed)
     else:
-        factor = FACTOR[plan.compile, bool(plan.linears), plan.activations == "fp8"]
+        factor = FACTOR[plan.compile, bool(plan.linears), plan.activations in ("fp8", "fp8_attention")]
         if isinstance(plan.activations, float):  # Inductor's budget: that fraction of what the block would save
             factor *= plan.activations
         activations = tokens * len(blocks) * per_block_token * factor
+        if plan.activations == "fp8_attention":  # FP8 per row: half of attention's bf16 bytes
+            activations -= tokens * len(blocks) * attention_saved_features(model, width) * elem / 2
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_bytes = 0
     if isinstance(head, nn.Linear):

@@ -16,13 +16,13 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
 - ``linears``: the blocks' nn.Linear layers run their GEMMs in FP8 (a ``convert_linears`` recipe). Auto: the
   default recipe where the blocks are compiled on a GPU with FP8 tensor cores (compute capability >= 8.9), none
   elsewhere: eager FP8 linears spend more host time quantizing than their GEMMs save.
-- ``activations``: "fp8" (what the blocks save for backward kept in FP8), "recompute" (only each block's input
-  kept, in FP8; blocks recomputed in backward), a number in (0, 1) (compiled blocks only: Inductor keeps that
-  fraction of what the block would save and recomputes the rest, ``activation_memory_budget``, set for these
-  blocks alone) or None. Auto: None unless the memory budget needs it; then FP8 activations, then (compiled)
-  budgets of 0.7, 0.5 and 0.3, then recompute: fastest first (compiled, FP8 activations cost 3% of the speed of
-  HF Llama-2-7B at 1 x 2048 on an H100 for 1.5 GiB less, a budget of 0.6 cost 11%:
-  docs/results/hf_llama2_7b_compiled_h100.json).
+- ``activations``: "fp8" (what the blocks save for backward kept in FP8, attention's q, k, v and output as they
+  are), "fp8_attention" (those in FP8 too: ``compress_activations(attention="fp8")``), "recompute" (only each
+  block's input kept, in FP8; blocks recomputed in backward), a number in (0, 1) (compiled blocks only: Inductor
+  keeps that fraction of what the block would save and recomputes the rest, ``activation_memory_budget``, set for
+  these blocks alone) or None. Auto: None unless the memory budget needs it; then FP8 activations, FP8 with
+  attention's, then (compiled) budgets of 0.5 and 0.3, then recompute: fastest first (docs/prepare.md has
+  their costs on HF Llama shapes).
 - ``compile``: each block compiled in place (``block.compile()``; with FP8 activations or recompute, the block's
   forward, which their wrapper calls: parameter names and state_dict unchanged).
   Auto: on CUDA.
@@ -67,8 +67,8 @@ from .optim import AdamW
 from .optim import step_in_backward as fuse_step_into_backward
 
 AUTO = "auto"
-ACTIVATIONS = (None, "fp8", "recompute")
-AUTO_BUDGETS = (0.7, 0.5, 0.3)  # the activation budgets the auto ladder tries on compiled blocks, fastest first
+ACTIVATIONS = (None, "fp8", "fp8_attention", "recompute")
+AUTO_BUDGETS = (0.5, 0.3)  # the activation budgets the auto ladder tries on compiled blocks, fastest first
 
 
 @dataclass
@@ -77,7 +77,7 @@ class Plan:
     blocks: str  # the blocks' name in the model, e.g. "model.layers"
     n_blocks: int
     linears: str | None
-    activations: str | float | None  # "fp8", "recompute", an Inductor activation budget, or None
+    activations: str | float | None  # "fp8", "fp8_attention", "recompute", an Inductor activation budget, or None
     compile: bool
     step_in_backward: bool
     chunked_loss: bool
@@ -100,6 +100,7 @@ class Plan:
         if isinstance(self.activations, float):
             return f"Inductor keeps {self.activations:.0%} of the activations"
         return {None: "activations unchanged", "fp8": "FP8 activations",
+                "fp8_attention": "FP8 activations, attention's too",
                 "recompute": "FP8 block inputs + recompute"}[self.activations]
 
     def summary(self) -> str:
@@ -319,15 +320,15 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
         why = why_not(hf)
         if why:
             raise ValueError(f"lpoptim.prepare: chunked_loss=True, but {why}")
-    if _hf_checkpointing(hf) and activations in (AUTO, "fp8", "recompute"):
+    if _hf_checkpointing(hf) and activations in (AUTO, *ACTIVATIONS[1:]):
         if activations != AUTO:
-            what = "FP8 activations replace" if activations == "fp8" else "FP8 recompute replaces"
+            what = "FP8 recompute replaces" if activations == "recompute" else "FP8 activations replace"
             raise ValueError(f"lpoptim.prepare: activations={activations!r}, but the model has HF gradient "
                              f"checkpointing on; {what} it: call model.gradient_checkpointing_disable() first, or "
                              "pass activations=None to keep HF's")
         activations, reasons["activations"] = None, "HF gradient checkpointing already recomputes the blocks"
     if activations == AUTO:
-        activation_choices = [None, "fp8", *(AUTO_BUDGETS if compile else ()), "recompute"]
+        activation_choices = [None, "fp8", "fp8_attention", *(AUTO_BUDGETS if compile else ()), "recompute"]
     else:
         activation_choices = [activations or None]
 
@@ -393,10 +394,11 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
     if result.linears:
         for block in stack:
             convert_linears(block, result.linears)
-    wrapped = result.activations in ("fp8", "recompute")
+    wrapped = result.activations in ACTIVATIONS[1:]
     if wrapped:  # compiled, the wrapper calls each block's compiled forward (wrap.py: no graph break per call)
-        result.handles.append(compress_activations(stack, recompute=result.activations == "recompute",
-                                                   compile=result.compile))
+        result.handles.append(compress_activations(
+            stack, recompute=result.activations == "recompute", compile=result.compile,
+            attention="fp8" if result.activations == "fp8_attention" else "keep"))
         if result.compile:
             result.handles.append(_CompileOnRemove(stack))  # the blocks stay compiled without the wrapper
     elif result.compile:

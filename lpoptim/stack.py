@@ -23,6 +23,7 @@ OPTIMIZERS = {
 PARTS = {
     "bf16": "bf16 parameters, no fp32 master (lpoptim rounds stochastically)",
     "act": "saved activations in FP8 (compress_activations)",
+    "attn": "with act: attention's saved q, k, v and output in FP8 too (attention=\"fp8\")",
     "rec": "only each block's input saved, in FP8; blocks recomputed in backward",
     "bwd": "optimizer step inside backward (step_in_backward; lpoptim only)",
     "ce": "LM head and loss chunk by chunk, no whole logits (linear_cross_entropy)",
@@ -43,6 +44,7 @@ class Stack:
     linears: str | None = None  # convert_linears recipe, or "torchao" (torchao float8 training)
     compress: bool = False  # compress_activations on every block
     recompute: bool = False  # compress_activations(recompute=True)
+    attention: bool = False  # with compress: compress_activations(attention="fp8")
     in_backward: bool = False  # lpoptim.step_in_backward
     master: str = "fp32"  # the parameters' dtype: "fp32" or "bf16"
     chunked_loss: bool = False  # LM head + loss chunk by chunk
@@ -62,6 +64,7 @@ class Stack:
         parts += ["s4"] if self.state_bits == 4 else []
         parts += [self.linears] if self.linears and self.optimizer != "torchao" else []
         parts += ["rec"] if self.recompute else ["act"] if self.compress else []
+        parts += ["attn"] if self.attention else []
         parts += ["bwd"] if self.in_backward else []
         parts += ["ce"] if self.chunked_loss else []
         parts += [f"sac{round(self.activation_budget * 100)}"] if self.activation_budget is not None else []
@@ -79,7 +82,7 @@ class Stack:
         if self.recompute:
             words.append("FP8 block inputs + recompute")
         elif self.compress:
-            words.append("FP8 activations")
+            words.append("FP8 activations" + (" (attention's too)" if self.attention else ""))
         if self.in_backward:
             words.append("step in backward")
         if self.chunked_loss:
@@ -104,7 +107,7 @@ def parse_stack(name: str) -> Stack:
     """The Stack a name spells; ValueError (naming the valid parts) for anything else."""
     def bad(why: str) -> ValueError:
         return ValueError(f"recipe {name!r}: {why}; a recipe is an optimizer ({', '.join(OPTIMIZERS)}) followed by "
-                          f"+parts: bf16, s4, act, rec, bwd, ce, sacNN, cg, ckpt, or a linear recipe ({', '.join(RECIPES)})")
+                          f"+parts: bf16, s4, act, attn, rec, bwd, ce, sacNN, cg, ckpt, or a linear recipe ({', '.join(RECIPES)})")
 
     if not isinstance(name, str):
         raise TypeError(f"a recipe name is a string, got {type(name).__name__}")
@@ -124,6 +127,8 @@ def parse_stack(name: str) -> Stack:
             if kw.get("compress"):
                 raise bad("act and rec exclude each other")
             kw.update(compress=True, recompute=p == "rec")
+        elif p == "attn":
+            kw["attention"] = True
         elif p == "bwd":
             kw["in_backward"] = True
         elif p == "ce":
@@ -151,6 +156,8 @@ def parse_stack(name: str) -> Stack:
         raise bad("prepare makes its own choices: it takes +bf16 and +s4 only")
     if kw.get("state_bits") == 4 and optimizer not in ("lpoptim", "prepare"):
         raise bad("s4 (4-bit states) needs the lpoptim optimizer")
+    if kw.get("attention") and (not kw.get("compress") or kw.get("recompute")):
+        raise bad("attn (attention's saved tensors in FP8) comes with act")
     if kw.get("hf_checkpointing") and kw.get("compress"):
         raise bad("ckpt (HF gradient checkpointing) and act/rec exclude each other")
     return Stack(**kw)

@@ -100,7 +100,13 @@ def test_one_vocabulary_for_train_bench_and_convert_linears():
     assert parse_stack("lpoptim-bf16+fp8tf+bwd+ce+sac55") == parse_stack("lpoptim+bf16+fp8_tensor_fast+bwd+ce+sac55")
     assert parse_stack("bf16") == parse_stack("torch") and parse_stack("torch-bf16") == parse_stack("torch+bf16")
     assert cli.train_run(parse_stack("lpoptim+fp8d+act")) == dict(optimizer="lpoptim", recipe="fp8_delayed",
-                                                                 compress=True, master="fp32", optimizer_options={})
+                                                                 compress=True, attention=False, master="fp32",
+                                                                 optimizer_options={})
+    assert cli.train_run(parse_stack("lpoptim+attn+act"))["attention"] is True
+    assert parse_stack("lpoptim+attn+act").name == "lpoptim+act+attn"
+    for lone in ("lpoptim+attn", "lpoptim+rec+attn"):  # attention's tensors in FP8 come with FP8 activations
+        with pytest.raises(ValueError, match="attn .* comes with act"):
+            parse_stack(lone)
     m = lpoptim.convert_linears(torch.nn.Sequential(torch.nn.Linear(32, 32)))
     assert m[0].recipe.name == "fp8_delayed" == lpoptim.nn.recipes.DEFAULT_RECIPE
     assert lpoptim.convert_linears(torch.nn.Sequential(torch.nn.Linear(32, 32)), "fp8d")[0].recipe.name == "fp8_delayed"

@@ -21,6 +21,7 @@ class RunConfig:
     optimizer: str = "torch"  # "torch" (torch.optim.AdamW) or "lpoptim" (lpoptim.AdamW)
     recipe: str | None = None  # convert_linears recipe: None, "fp8", "fp4", "int4"
     compress: bool = False  # compress_activations on every block
+    attention: bool = False  # with compress: attention's saved tensors in FP8 too (attention="fp8")
     master: str = "fp32"  # "bf16": the parameters are bf16 (no fp32 copy); lpoptim then rounds stochastically
     steps: int = 200
     n_layer: int = 2
@@ -51,7 +52,7 @@ class RunConfig:
         if self.recipe:
             parts.append(f"{self.recipe} linears")
         if self.compress:
-            parts.append("FP8 activations")
+            parts.append("FP8 activations" + (" (attention's too)" if self.attention else ""))
         if self.master == "bf16":
             parts.append("bf16 params" + (" (SR)" if self.optimizer == "lpoptim" else ""))
         return " + ".join(parts)
@@ -114,7 +115,7 @@ def train(cfg: RunConfig, data: CharData | None = None, progress=None) -> dict:
     if cfg.compress:  # compiled, the wrapper calls each block's compiled forward (no graph break per call)
         from ..activations import compress_activations
 
-        compress_activations(model.layers, compile=cfg.compile)
+        compress_activations(model.layers, compile=cfg.compile, attention="fp8" if cfg.attention else "keep")
     elif cfg.compile:
         for block in model.layers:
             block.compile()
