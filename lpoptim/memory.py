@@ -10,10 +10,11 @@ with FP8 activations eager, x 0.5 with FP8 activations and FP8 linears eager; co
 activations, x 0.75 with FP8 linears, x 0.55 with both; attention's q, k, v and output packed too (FP8 per row:
 half their bf16 bytes) save half of those; with recompute, one FP8 block input per block and one
 block's activations while it is replayed. The LM head and loss: about 10 bytes per logit (the logits, their fp32
-copy and softmax's gradient), or with the chunked loss the hidden states' gradient and the head's weight
-gradient. Then 1.2% for the allocator. On HF Llama shapes of 7B, 13B and 26B (1 x 2048 and 4 x 2048, eighteen
-stacks, FP8 and 4-bit states) the estimate came within 0.6 GiB of the measured peak, never more than 0.3 GiB below
-it; on other shapes, treat it as an estimate: ``lpoptim bench --hf-config`` measures the real peak.
+copy and softmax's gradient), or with the chunked loss the hidden states' gradient, the head's weight gradient and
+the smaller of the logits' gradient and an fp32 sum of the weight's. Then 1.2% for the allocator. On HF Llama
+shapes of 7B, 13B and 26B (1 x 2048 and 4 x 2048, eighteen stacks, eager and compiled, FP8 and 4-bit states:
+docs/results/hf_*.json) the estimate lay 0.26-0.89 GiB above the measured peak, never below it; on other shapes,
+treat it as an estimate: ``lpoptim bench --hf-config`` measures the real peak.
 """
 from __future__ import annotations
 
@@ -95,7 +96,10 @@ def estimate_peak_bytes(model: nn.Module, blocks: nn.ModuleList, plan, tokens: i
     head_bytes = 0
     if isinstance(head, nn.Linear):
         vocab, d = head.weight.shape
-        head_bytes = tokens * d * elem + vocab * d * elem if plan.chunked_loss else tokens * vocab * (elem + 8)
+        # chunked: the hidden states' and the weight's gradients, and the smaller of the logits' gradient and an
+        # fp32 sum of the weight's (nn/linear_cross_entropy.py)
+        head_bytes = (tokens * d * elem + vocab * d * elem + min(tokens * vocab * elem, vocab * d * 4)
+                      if plan.chunked_loss else tokens * vocab * (elem + 8))
     if plan.step_in_backward:
         transient = activations + head_bytes + min(BUCKET_BYTES, sum(grads)) + max(grads)
     else:

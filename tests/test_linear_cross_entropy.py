@@ -97,8 +97,9 @@ def test_backward_with_a_differentiable_incoming_gradient():
 
 
 def test_no_fp32_copy_of_a_bf16_head_gradient():
-    """The forward, the step's memory peak, makes no fp32 tensor of the head's size for a bf16 head: its gradient is
-    written in bf16 slice by slice (an fp32 sum and its bf16 copy were 1.5x the head's bytes on top of the peak)."""
+    """The forward, the step's memory peak, makes no fp32 tensor of the head's size for a bf16 head and few tokens:
+    its gradient is one GEMM over the kept bf16 logits' gradient (an fp32 sum and its bf16 copy were 1.5x the head's
+    bytes on top of the peak)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Outputs(TorchDispatchMode):
@@ -120,7 +121,7 @@ def test_no_fp32_copy_of_a_bf16_head_gradient():
     t[:5] = -100
     with Outputs() as seen:
         out = linear_cross_entropy(h, w, t, chunk=8)
-    assert seen.largest_fp32 < w.numel(), seen.largest_fp32  # logits of one chunk (8 x 400) or one slice
+    assert seen.largest_fp32 < w.numel(), seen.largest_fp32  # the logits of one chunk (8 x 400)
     fh, fw = torch.autograd.grad(out, (h, w))
     assert fw.dtype == torch.bfloat16
     ref = _reference(h.float(), w.float(), t)

@@ -1,14 +1,14 @@
-"""The LM head and the cross-entropy loss in one step, chunk by chunk: the logits never exist whole.
+"""The LM head and the cross-entropy loss in one step, chunk by chunk: the fp32 logits never exist whole.
 
 Why: at batch 4 x 2048 with a 32000-token vocabulary the logits are 262 M numbers; autocast's bf16 logits, the
 fp32 copy the loss is computed in and what cross_entropy saves for backward come to about 2.6 GB (arithmetic:
-262 M x (2 + 4 + 4) bytes), more than a TinyLlama's lpoptim states (2.3 GB). Here, in forward, each chunk of
-tokens gets its logits, loss and the gradient with respect to the hidden states, then each slice of the
-vocabulary gets its logits again, over all tokens, and the head's weight gradient; the logits are dropped.
-Backward only scales the stored gradients by the incoming one. What stays is one gradient of the hidden states
-(tokens x d, the compute dtype) and one of the weight (the weight's dtype) — Liger-Kernel's fused linear
-cross-entropy in plain torch ops, with the weight's gradient taken by vocabulary slices so that no fp32 sum of
-it exists.
+262 M x (2 + 4 + 4) bytes), more than a TinyLlama's lpoptim states (2.3 GB). Here each chunk of tokens gets its
+logits, loss and gradients (with respect to the hidden states and, through the logits' gradient, the head's
+weight) at once, in forward, and the logits are dropped; backward only scales the stored gradients by the
+incoming one. What stays is one gradient of the hidden states (tokens x d, the compute dtype) and one of the weight
+(the weight's dtype) — the approach of Liger-Kernel's fused linear cross-entropy, in plain torch ops. The logits'
+gradient is kept whole, in the compute dtype, only where that is smaller than an fp32 sum of the weight's
+gradient (few tokens), and only until the weight's gradient is taken from it.
 
 Numerics are F.cross_entropy's on fp32 logits (mean over targets that are not ``ignore_index``); the logits are
 computed in the hidden states' dtype, as autocast would. Tested against the unfused head and loss.
@@ -21,24 +21,13 @@ import torch
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (fp32) += a @ b for bf16/fp16 a, b (an fp32 head under autocast). On CUDA one GEMM that adds into fp32
-    (``addmm`` with ``out_dtype``, torch >= 2.9, where this torch has it): no bf16 product and fp32 copy of acc's
-    size at the forward's end, where every activation is saved."""
+    """acc (fp32) += a @ b for bf16/fp16 a, b. On CUDA one GEMM that adds into fp32 (``addmm`` with ``out_dtype``,
+    torch >= 2.9, where this torch has it): no bf16 product and fp32 copy of acc's size at the forward's end, where
+    every activation is saved."""
     if acc.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and addmm_accumulates_in_fp32(acc.device, a.dtype):
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:
         acc += (a @ b).float()
-
-
-def _logits_grad(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
-                 first: int) -> torch.Tensor:
-    """d(summed loss)/d(logits) = softmax - onehot, in place of ``logits`` (fp32; tokens x a slice of the vocabulary
-    starting at ``first``), zero for ignored tokens; ``lse``: each token's logsumexp over the whole vocabulary."""
-    g = logits.sub_(lse[:, None]).exp_()
-    col = targets - first
-    inside = (col >= 0) & (col < g.shape[1])
-    g.scatter_add_(1, col.clamp(0, g.shape[1] - 1)[:, None], -inside.to(g.dtype)[:, None])
-    return g.mul_(valid[:, None])
 
 
 _ADDMM_FP32: dict = {}  # (device, dtype) -> whether addmm(out_dtype=float32, out=acc) adds into an fp32 acc
@@ -76,34 +65,44 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         count = valid.sum().clamp_min(1).float()  # a device tensor: no host sync
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if hidden.requires_grad else None
-        lse_all = torch.empty(h.shape[0], dtype=torch.float32, device=h.device) if weight.requires_grad else None
-        # pass 1, chunks of tokens: the loss, each token's logsumexp and the hidden states' gradient
+        # The head's gradient is sum_chunks g^T h. Kept whole, every token's logits gradient (compute dtype) takes
+        # one GEMM at the end, rounded once; else the chunks' products are summed into fp32. Whichever is smaller:
+        # this is the forward's end, every activation saved, the step's peak. (At 1 x 2048 tokens and a 32 k x 4096
+        # head: 0.12 GiB of gradients against 0.49 GiB of fp32 sum and its 0.24 GiB bf16 copy at the end.)
+        grads = acc = None
+        if weight.requires_grad:
+            if h.shape[0] * h.element_size() <= 4 * h.shape[1]:
+                grads = torch.empty(h.shape[0], w.shape[0], dtype=h.dtype, device=h.device)
+            else:
+                acc = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
         for s in range(0, h.shape[0], chunk):
             hs, ts, vs = h[s:s + chunk], picks[s:s + chunk], valid[s:s + chunk]
             logits = (hs @ w.t()).float()
             lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, ts[:, None]).squeeze(1)
             loss += torch.where(vs, lse - picked, 0.0).sum()
-            if lse_all is not None:
-                lse_all[s:s + chunk] = lse
+            if grad_h is None and not weight.requires_grad:
+                continue
+            # d(loss)/d(logits) = softmax - onehot, for the sum over this chunk (scaled by 1/count in backward)
+            g = logits.sub_(lse[:, None]).exp_()
+            g.scatter_add_(1, ts[:, None], torch.full_like(picked, -1.0)[:, None])
+            g.mul_(vs[:, None])
+            g = grads[s:s + chunk].copy_(g) if grads is not None else g.to(h.dtype)
             if grad_h is not None:
-                torch.matmul(_logits_grad(logits, lse, ts, vs, 0).to(h.dtype), w, out=grad_h[s:s + chunk])
-        # pass 2, slices of the vocabulary over all tokens: the head's gradient, one GEMM per slice written in the
-        # weight's dtype. Summing it over chunks of tokens instead needs an fp32 accumulator of the head's size (and
-        # its bf16 copy at the end) alive at the forward's end, the step's peak: 0.73 GiB at a 32 k x 4096 head.
-        # The price is the logits computed once more (a third more of the head's GEMM time).
+                torch.matmul(g, w, out=grad_h[s:s + chunk])
+            if acc is not None:
+                _accumulate(acc, g.t(), hs)
         grad_w = None
-        if lse_all is not None:
-            fp32_sum = weight.dtype != h.dtype  # an fp32 weight under autocast: bf16 products added into fp32
-            grad_w = (torch.zeros if fp32_sum else torch.empty)(weight.shape, dtype=weight.dtype, device=h.device)
-            rows = max(1, chunk * w.shape[0] // max(1, h.shape[0]))  # as many logits as a chunk of pass 1
-            for v in range(0, w.shape[0], rows):
-                logits = (h @ w[v:v + rows].t()).float()
-                g = _logits_grad(logits, lse_all, picks, valid, v).to(h.dtype)
-                if fp32_sum:
-                    _accumulate(grad_w[v:v + rows], g.t(), h)
-                else:
-                    torch.matmul(g.t(), h, out=grad_w[v:v + rows])
+        if grads is not None and weight.dtype == h.dtype:
+            grad_w = grads.t() @ h
+        elif grads is not None:  # an fp32 head under autocast: the bf16 GEMM added into fp32 zeros
+            grad_w = torch.zeros(weight.shape, dtype=weight.dtype, device=h.device)
+            _accumulate(grad_w, grads.t(), h)
+        elif acc is not None:
+            # kept until backward in the weight's dtype, which is what backward returns anyway: half the bytes of
+            # the fp32 sum, held through the whole backward's peak
+            grad_w = acc.to(weight.dtype)
+        del grads, acc
         ctx.save_for_backward(grad_h, grad_w, count)
         ctx.shapes = (hidden.shape, weight.dtype)
         return loss / count
