@@ -32,6 +32,7 @@ try:
 
     from .grid import (fast_exp2, fast_log2, fast_rcp, finite_abs, fp8_bits, fp8_cast_bits, fp8_value, grid_magnitude,
                        hash32, interpreted, round_bf16_stochastic, store_as, with_sign_of)
+    from .launch import launcher
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - triton is a dependency, but keep the reference usable without it
     HAVE_TRITON = False
@@ -480,12 +481,14 @@ def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_de
                   MAXIMIZE=maximize, LR_IS_TENSOR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None,
                   HAS_FOUND_INF=found_inf is not None, LOOP=loop, EVEN_ROWS=even, ON_GPU=not interpreted(),
                   ALIGNED=plan.aligned, num_warps=tune["num_warps"], enable_fp_fusion=True)
+    # through the cached launcher (launch.py): Triton's own launch binds and specializes all of these arguments on
+    # every call, and stepping in backward launches once per bucket, ~40 times a step at 7B
     if layout.quantized and layout.state_bits == 4:  # the 4-bit codec's kernel: the same tables and arguments
         from .adamw_step4 import adamw4_kernel
 
-        adamw4_kernel[(plan.n_blocks,)](*args, STOCHASTIC=stochastic, **common)
+        launcher(adamw4_kernel)((plan.n_blocks,), *args, STOCHASTIC=stochastic, **common)
         return
-    _adamw_kernel[(plan.n_blocks,)](
-        *args, **_format_args(layout.exp_avg_format, "M"), **_format_args(layout.exp_avg_sq_format, "V"),
-        QUANT=layout.quantized, EXPANSION=layout.expansion, SQRT_V=layout.sqrt_v, STOCHASTIC=salts is not None,
-        **common)
+    launcher(_adamw_kernel)(
+        (plan.n_blocks,), *args, **_format_args(layout.exp_avg_format, "M"),
+        **_format_args(layout.exp_avg_sq_format, "V"), QUANT=layout.quantized, EXPANSION=layout.expansion,
+        SQRT_V=layout.sqrt_v, STOCHASTIC=salts is not None, **common)
