@@ -562,6 +562,23 @@ def test_budget_picks_by_the_estimates():
     assert opt.plan.activations == "fp8" and opt.plan.handles
 
 
+def test_estimated_attention_bytes_follow_the_heads():
+    """What "fp8_attention" saves in the estimate: half of q, k, v and the output per token and block, from an HF
+    config's heads (grouped k/v heads count their own width), else 4 x the block's width; the budget's saving is
+    exactly that."""
+    from lpoptim.memory import ALLOCATOR_OVERHEAD, attention_saved_features
+    from lpoptim.planner import plan
+
+    model = _tiny_llama(num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=64)
+    assert attention_saved_features(model, 64) == 2 * (4 + 2) * 16
+    assert attention_saved_features(_net(), 16) == 4 * 16  # no config: a plain torch model
+    tokens = 1 << 16
+    est = list(plan(model, max_memory_gib=1e9, tokens=tokens, compile=False).estimate_gib.values())
+    n_blocks = len(model.model.layers)
+    saved = tokens * n_blocks * 2 * (4 + 2) * 16 * 4 / 2  # fp32 parameters: 4 bytes, half of them saved
+    assert math.isclose((est[1] - est[2]) * 2**30, saved * ALLOCATOR_OVERHEAD, rel_tol=1e-9)
+
+
 @pytest.mark.parametrize("state_bits", [8, 4])
 def test_estimated_state_bytes_are_lpoptims(state_bits):
     """The static part of the estimate: lpoptim.memory.state_bytes per parameter against what lpoptim.state_bytes
