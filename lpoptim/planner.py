@@ -35,9 +35,10 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
   Auto: where the model allows it.
 - HF models: ``config.use_cache`` is turned off (a KV cache built in training costs memory, breaks recompute
   and makes compiled blocks recompile).
-- ``max_memory_gib``: a budget for the training step's peak. With ``tokens`` (batch x sequence length per
-  step) the plan takes the fastest candidate whose estimated peak fits (lpoptim/memory.py) and raises, naming
-  the estimates, if none does.
+- ``max_memory_gib``: a budget for the training step's peak (or ``max_memory_fraction``: that fraction of the
+  GPU's total memory, as ``torch.cuda.get_device_properties`` gives it). With ``tokens`` (batch x sequence length
+  per step) the plan takes the fastest candidate whose estimated peak fits (lpoptim/memory.py) and raises,
+  naming the estimates, if none does.
 - FSDP2 (``fully_shard`` applied before ``prepare``; DTensor parameters): the optimizer steps each rank's shards,
   the step in backward runs on the reduce-scattered shard, the chunked loss and FP8 activations work as without
   it. Two parts are refused before anything changes: ``linears`` (fully_shard holds the modules it shards, so
@@ -235,9 +236,10 @@ def _sharded_parts(stack_name: str, stack: nn.ModuleList, params, linears, max_m
     if not any(is_dtensor(p) for p in params):
         return linears
     if max_memory_gib is not None:
-        raise ValueError("lpoptim.prepare: max_memory_gib on a model whose parameters are DTensors (FSDP2's "
-                         "fully_shard): the peak estimate counts one process holding whole parameters, states and "
-                         "gradients, not one rank's shards; pass max_memory_gib=None and choose activations=")
+        raise ValueError("lpoptim.prepare: a memory budget (max_memory_gib, max_memory_fraction) on a model whose "
+                         "parameters are DTensors (FSDP2's fully_shard): the peak estimate counts one process holding "
+                         "whole parameters, states and gradients, not one rank's shards; pass no budget and choose "
+                         "activations=")
     how = (f"convert them before sharding (for block in model.{stack_name}: lpoptim.nn.convert_linears(block, "
            f"recipe); fully_shard(block))")
     if linears not in (AUTO, None, False):
@@ -252,8 +254,17 @@ def _sharded_parts(stack_name: str, stack: nn.ModuleList, params, linears, max_m
     return linears
 
 
+def device_memory_gib(device: torch.device) -> float:
+    """The total memory of a CUDA device in GiB (what ``max_memory_fraction`` is a fraction of)."""
+    if device.type != "cuda":
+        raise ValueError(f"lpoptim.prepare: max_memory_fraction is a fraction of a GPU's memory, and the parameters "
+                         f"are on {device}; pass max_memory_gib instead")
+    return torch.cuda.get_device_properties(device).total_memory / 2**30
+
+
 def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compile=AUTO, step_in_backward=AUTO,
-         chunked_loss=AUTO, max_memory_gib: float | None = None, tokens: int | None = None,
+         chunked_loss=AUTO, max_memory_gib: float | None = None, max_memory_fraction: float | None = None,
+         tokens: int | None = None,
          state_bits: int = 8, min_quant_numel: int = 4096, group_size: int = 128) -> Plan:
     """What ``prepare`` would do to ``model`` with these options, and why; changes nothing."""
     if not isinstance(model, nn.Module):
@@ -266,12 +277,19 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
         _check_choice("activations", activations, (*ACTIVATIONS, False))
     for name, value in (("compile", compile), ("step_in_backward", step_in_backward), ("chunked_loss", chunked_loss)):
         _check_choice(name, value, (True, False))
-    if max_memory_gib is not None:
-        if not (isinstance(max_memory_gib, (int, float)) and max_memory_gib > 0):
-            raise ValueError(f"lpoptim.prepare: max_memory_gib must be a positive number, got {max_memory_gib!r}")
-        if not (isinstance(tokens, int) and tokens > 0):
-            raise ValueError("lpoptim.prepare: max_memory_gib needs tokens= (batch x sequence length of one step) "
-                             "to estimate the activations")
+    if max_memory_fraction is not None:
+        if max_memory_gib is not None:
+            raise ValueError("lpoptim.prepare: a budget is max_memory_gib or max_memory_fraction, not both")
+        if not (isinstance(max_memory_fraction, (int, float)) and not isinstance(max_memory_fraction, bool)
+                and 0 < max_memory_fraction <= 1):
+            raise ValueError(f"lpoptim.prepare: max_memory_fraction is in (0, 1], got {max_memory_fraction!r}")
+    if max_memory_gib is not None and not (isinstance(max_memory_gib, (int, float))
+                                           and not isinstance(max_memory_gib, bool) and max_memory_gib > 0):
+        raise ValueError(f"lpoptim.prepare: max_memory_gib must be a positive number, got {max_memory_gib!r}")
+    budget_name = "max_memory_gib" if max_memory_fraction is None else "max_memory_fraction"
+    if (max_memory_gib is not None or max_memory_fraction is not None) and not (isinstance(tokens, int) and tokens > 0):
+        raise ValueError(f"lpoptim.prepare: {budget_name} needs tokens= (batch x sequence length of one step) "
+                         "to estimate the activations")
     name, stack = _blocks(model, blocks)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
@@ -279,6 +297,11 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     device = params[0].device
     cuda = device.type == "cuda"
     fp8_cores = cuda and torch.cuda.get_device_capability(device) >= (8, 9)
+    budget_of = ""  # what the budget is, where it is a fraction of the device
+    if max_memory_fraction is not None:
+        total = device_memory_gib(device)
+        max_memory_gib = max_memory_fraction * total
+        budget_of = f" ({max_memory_fraction:g} of {device}'s {total:.3g} GiB)"
     reasons = {}
     linears = _sharded_parts(name, stack, params, linears, max_memory_gib, reasons)  # FSDP2
 
@@ -353,9 +376,9 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     for c in candidates:
         if estimates[c.candidate()] <= max_memory_gib:
             result.activations = c.activations
-            reasons["activations"] = f"the fastest whose estimated peak fits {max_memory_gib} GiB"
+            reasons["activations"] = f"the fastest whose estimated peak fits {max_memory_gib:.4g} GiB{budget_of}"
             return result
-    raise ValueError(f"lpoptim.prepare: nothing fits max_memory_gib={max_memory_gib} at {tokens} tokens a step; "
+    raise ValueError(f"lpoptim.prepare: nothing fits {max_memory_gib:.4g} GiB{budget_of} at {tokens} tokens a step; "
                      "estimated peaks: " + "; ".join(f"{k}: {v:.3g} GiB" for k, v in estimates.items()))
 
 
@@ -374,13 +397,14 @@ class _CompileOnRemove:
 
 def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, linears=AUTO, activations=AUTO,
             compile=AUTO, step_in_backward=AUTO, chunked_loss=AUTO, max_memory_gib: float | None = None,
-            tokens: int | None = None, verbose: bool = False, **optimizer_kwargs) -> AdamW:
+            max_memory_fraction: float | None = None, tokens: int | None = None, verbose: bool = False,
+            **optimizer_kwargs) -> AdamW:
     """Apply what pays to ``model`` (in place) and return its lpoptim.AdamW; the module docstring says what.
 
     Every argument is checked, and the plan made, before the model is touched."""
     result = plan(model, blocks=blocks, linears=linears, activations=activations, compile=compile,
                   step_in_backward=step_in_backward, chunked_loss=chunked_loss, max_memory_gib=max_memory_gib,
-                  tokens=tokens, state_bits=optimizer_kwargs.get("state_bits", 8),
+                  max_memory_fraction=max_memory_fraction, tokens=tokens, state_bits=optimizer_kwargs.get("state_bits", 8),
                   min_quant_numel=optimizer_kwargs.get("min_quant_numel", 4096),
                   group_size=optimizer_kwargs.get("group_size", 128))
     if result.bf16_stochastic_round:

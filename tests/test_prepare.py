@@ -481,6 +481,13 @@ BAD_OPTIONS = [
     (dict(max_memory_gib=0, tokens=1024), ValueError, "positive"),
     (dict(max_memory_gib=8), ValueError, "tokens="),
     (dict(max_memory_gib=8, tokens=0), ValueError, "tokens="),
+    (dict(max_memory_gib=True, tokens=1024), ValueError, "positive"),
+    (dict(max_memory_fraction=0.9), ValueError, "max_memory_fraction needs tokens="),
+    (dict(max_memory_fraction=1.5, tokens=1024), ValueError, "in \\(0, 1\\]"),
+    (dict(max_memory_fraction=0, tokens=1024), ValueError, "in \\(0, 1\\]"),
+    (dict(max_memory_fraction="90%", tokens=1024), ValueError, "in \\(0, 1\\]"),
+    (dict(max_memory_fraction=0.9, max_memory_gib=8, tokens=1024), ValueError, "not both"),
+    (dict(max_memory_fraction=0.9, tokens=1024), ValueError, "fraction of a GPU's memory.*on cpu"),
     (dict(blocks="out"), ValueError, "not an nn.ModuleList"),
     (dict(blocks="no.such.layers"), ValueError, "no.such.layers"),
     (dict(blocks=3), TypeError, "name or an nn.ModuleList"),
@@ -560,6 +567,24 @@ def test_budget_picks_by_the_estimates():
     opt = prepare(model, lr=1e-3, max_memory_gib=(e_none + e_fp8) / 2, tokens=tokens, compile=False,
                   step_in_backward=False)
     assert opt.plan.activations == "fp8" and opt.plan.handles
+
+
+def test_budget_as_a_fraction_of_the_device(monkeypatch):
+    """max_memory_fraction=f is max_memory_gib=f x the device's total memory: the same choice, the fraction named in
+    the reason (the CPU has no device total: it is refused there, test_bad_options; here a 64 GiB one stands in)."""
+    import lpoptim.planner as planner
+
+    monkeypatch.setattr(planner, "device_memory_gib", lambda device: 64.0)
+    model = _tiny_llama(num_hidden_layers=8)
+    tokens = 1 << 20
+    est = list(plan(model, max_memory_gib=1e9, tokens=tokens, compile=False).estimate_gib.values())
+    fraction = (est[1] + est[2]) / 2 / 64.0  # between FP8 activations and FP8 with attention's
+    by_fraction = plan(model, max_memory_fraction=fraction, tokens=tokens, compile=False)
+    by_gib = plan(model, max_memory_gib=fraction * 64.0, tokens=tokens, compile=False)
+    assert by_fraction.activations == by_gib.activations == "fp8_attention"
+    assert f"{fraction:g} of cpu's 64 GiB" in by_fraction.reasons["activations"]
+    with pytest.raises(ValueError, match="nothing fits .* of cpu's 64 GiB"):
+        plan(model, max_memory_fraction=est[-1] / 64.0 * 0.9, tokens=tokens, compile=False)
 
 
 def test_estimated_attention_bytes_follow_the_heads():
