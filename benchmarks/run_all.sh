@@ -25,11 +25,19 @@ for w in $what; do
     linear) python3 benchmarks/linear.py --out "$OUT/linear.json" ;;
     train) python3 -m lpoptim train --out "$OUT" ;;
     bench) python3 -m lpoptim bench --out "$OUT" ;;
-    records)  # README's two bench rows with their baselines, as README's commands
+    records)  # README's bench rows with their baselines, as README and docs/prepare.md give the commands
+      H="python3 -m lpoptim bench --hf-config"
+      $H llama2-7b --compile --steps 8 --warmup 3 --out "$OUT/hf_7b" --recipes torch+bf16,torch+bf16+ckpt,prepare+bf16,lpoptim+bf16+fp8_delayed+bwd+ce+sac60,lpoptim+bf16+fp8_delayed+act+bwd+ce,lpoptim+bf16+fp8_delayed+act+attn+bwd+ce
+      $H llama2-7b --compile --steps 8 --warmup 3 --out "$OUT/hf_7b_budget30" --recipes torch+bf16,prepare+bf16 --budget-gib 30
+      $H llama2-7b --compile --steps 8 --warmup 3 --out "$OUT/hf_7b_s4_budget24" --recipes torch+bf16,prepare+bf16+s4 --budget-gib 24
+      $H llama2-7b --compile --batch 4 --steps 5 --warmup 2 --out "$OUT/hf_7b_batch4" --recipes torch+bf16+ckpt,prepare+bf16,lpoptim+bf16+fp8_delayed+act+bwd+ce
+      $H llama2-7b --compile --batch 4 --steps 5 --warmup 2 --out "$OUT/hf_7b_batch4_budget40" --recipes torch+bf16+ckpt,prepare+bf16 --budget-gib 40
+      $H llama2-13b --compile --steps 5 --warmup 2 --out "$OUT/hf_13b" --recipes torch+bf16+ckpt,prepare+bf16,lpoptim+bf16+fp8_delayed+bwd+ce+sac50
+      $H llama2-13b --compile --steps 5 --warmup 2 --out "$OUT/hf_13b_s4" --recipes torch+bf16+ckpt,prepare+bf16+s4
+      $H llama2-13b --compile --steps 5 --warmup 2 --out "$OUT/hf_13b_s4_budget44" --recipes prepare+bf16,prepare+bf16+s4 --budget-gib 44
+      $H llama-26b --compile --steps 3 --warmup 2 --out "$OUT/hf_26b_s4" --recipes prepare+bf16+s4 --budget-gib 78
       python3 -m lpoptim bench --preset tinyllama-1.1b --compile --steps 8 --out "$OUT/tinyllama" \
-        --recipes torch,lpoptim+bf16+fp8_tensor+bwd+ce+sac100
-      python3 -m lpoptim bench --preset llama2-7b --compile --steps 8 --warmup 3 --out "$OUT/llama2_7b" \
-        --recipes torch+bf16,lpoptim+bf16+fp8_tensor_fast+bwd+ce+sac55 ;;
+        --recipes torch,lpoptim+bf16+fp8_tensor+bwd+ce+sac100 ;;
     *) python3 $w ;;
   esac
 done
