@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import re
 import warnings
 
 import pytest
@@ -567,6 +569,57 @@ def test_budget_picks_by_the_estimates():
     opt = prepare(model, lr=1e-3, max_memory_gib=(e_none + e_fp8) / 2, tokens=tokens, compile=False,
                   step_in_backward=False)
     assert opt.plan.activations == "fp8" and opt.plan.handles
+
+
+def _summary_options(summary: str) -> dict:
+    """plan()'s options back from a Plan.summary() (what a bench file records of what prepare applied)."""
+    from types import SimpleNamespace
+
+    from lpoptim.planner import ACTIVATIONS, Plan
+
+    rows = {}
+    for line in summary.splitlines()[1:]:
+        key, _, rest = line.strip().partition(" ")
+        rows[key] = rest.strip().split("  (")[0]
+    labels = {Plan.activations_label.fget(SimpleNamespace(activations=a)): a for a in ACTIVATIONS}
+    pct = re.match(r"Inductor keeps (\d+)% of the activations", rows["activations"])
+    return dict(linears=None if rows["linears"] == "unchanged" else rows["linears"],
+                activations=int(pct.group(1)) / 100 if pct else labels[rows["activations"]],
+                compile=rows["compile"] == "each block", step_in_backward=rows["step_in_backward"] == "yes",
+                chunked_loss=rows["chunked_loss"] == "yes", state_bits=int(rows["state_bits"]))
+
+
+def test_estimates_stay_above_the_measured_peaks():
+    """The budget relies on the estimate not falling below the real peak. Every lpoptim stack of the HF bench files
+    (docs/results/hf_*.json: 7B, 13B and 26.1 B Llama shapes on an H100, 1 x 2048 and 4 x 2048, eager and compiled,
+    FP8 and 4-bit states) is estimated again by this code from the plan the file records, on a model built on the
+    meta device: at or above its measured peak, and within 1 GiB of it."""
+    import glob
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from lpoptim.bench import load_hf_config
+    from lpoptim.planner import plan
+
+    files = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "docs", "results", "hf_*.json")))
+    checked = 0
+    for path in files:
+        data = json.load(open(path))
+        rows = [r for r in data["results"] if r.get("plan") and r.get("peak_bytes")]
+        if not rows:
+            continue
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(load_hf_config(data["preset"]), dtype=torch.bfloat16)
+        model.config.use_cache = False
+        tokens = data["batch"] * data["seq"]
+        for r in rows:
+            p = plan(model, **_summary_options(r["plan"]))
+            est = estimate_peak_bytes(model, model.get_submodule(p.blocks), p, tokens)
+            where = (os.path.basename(path), r["recipe"], est / 2**30, r["peak_bytes"] / 2**30)
+            assert r["peak_bytes"] <= est <= r["peak_bytes"] + 2**30, where
+            checked += 1
+    assert checked >= 18, checked
 
 
 def test_budget_as_a_fraction_of_the_device(monkeypatch):
