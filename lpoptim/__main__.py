@@ -65,6 +65,16 @@ def positive_int(text: str) -> int:
     return n
 
 
+def fraction(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return x
+
+
 def positive_float(text: str) -> float:
     try:
         x = float(text)
@@ -236,13 +246,24 @@ def cmd_bench(ap: Parser, args, argv) -> int:
     if args.memory_cap_gib is not None and device != "cuda":
         ap.error("--memory-cap-gib caps the CUDA allocator: it needs CUDA")
     hf_config = None
-    if args.budget_gib is not None and args.hf_config is None:
-        ap.error("argument --budget-gib: it is prepare's budget, for --hf-config")
+    if args.budget_gib is not None and args.budget_fraction is not None:
+        ap.error("argument --budget-fraction: a budget is --budget-gib or --budget-fraction, not both")
+    budget_arg = "--budget-gib" if args.budget_fraction is None else "--budget-fraction"
+    budget_given = args.budget_gib is not None or args.budget_fraction is not None
+    if budget_given and args.hf_config is None:
+        ap.error(f"argument {budget_arg}: it is prepare's budget, for --hf-config")
+    if args.budget_fraction is not None and device != "cuda":
+        ap.error("argument --budget-fraction: it is a fraction of the GPU's memory: it needs CUDA")
     hf_only = [r.name for r in args.recipes or [] if r.optimizer == "prepare" or r.hf_checkpointing]
     if hf_only and args.hf_config is None:
         ap.error(f"argument --recipes: {', '.join(hf_only)} run on a Hugging Face model: they need --hf-config")
-    if args.budget_gib is not None and args.recipes and not any(r.optimizer == "prepare" for r in args.recipes):
-        ap.error("argument --budget-gib: it is the prepare recipe's budget; no prepare recipe in --recipes")
+    if budget_given and args.recipes and not any(r.optimizer == "prepare" for r in args.recipes):
+        ap.error(f"argument {budget_arg}: it is the prepare recipe's budget; no prepare recipe in --recipes")
+    budget_gib = args.budget_gib
+    if args.budget_fraction is not None:  # the fraction of this GPU, in GiB, as prepare's max_memory_fraction
+        from .planner import device_memory_gib
+
+        budget_gib = args.budget_fraction * device_memory_gib(torch.device("cuda", torch.cuda.current_device()))
     if args.hf_config is not None:
         try:
             import transformers  # noqa: F401
@@ -265,7 +286,7 @@ def cmd_bench(ap: Parser, args, argv) -> int:
     report = bench.run(preset, names, batch, seq, args.steps, args.warmup, device,
                        compile_blocks=args.compile, log=lambda s: print(s, file=sys.stderr, flush=True),
                        n_layer=args.n_layer, memory_cap_gib=args.memory_cap_gib, hf_config=hf_config,
-                       budget_gib=args.budget_gib)
+                       budget_gib=budget_gib)
     report["command"] = shlex.join(["python", "-m", "lpoptim", *argv])
     paths = bench.write(report, out_dir)
     print("\n" + bench.table(report))
@@ -320,6 +341,9 @@ def parser() -> Parser:
     b.add_argument("--budget-gib", type=positive_float,
                    help="with --hf-config: the prepare recipe gets this memory budget (prepare(model, "
                         "max_memory_gib=..., tokens=batch x seq))")
+    b.add_argument("--budget-fraction", type=fraction,
+                   help="with --hf-config on CUDA: the prepare recipe's budget as a fraction of the GPU's memory "
+                        "(prepare's max_memory_fraction)")
     b.add_argument("--n-layer", type=positive_int, help="override the preset's number of layers")
     b.add_argument("--memory-cap-gib", type=positive_float,
                    help="allow the CUDA allocator this many GiB (e.g. 79.6 to stand in for an 80 GB H100 on a larger GPU)")

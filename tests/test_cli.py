@@ -38,6 +38,10 @@ BAD_ARGS = [
     ["bench", "--recipes", "torch+ckpt"],
     ["bench", "--budget-gib", "30"],  # prepare's budget: with --hf-config only
     ["bench", "--hf-config", "llama2-7b", "--budget-gib", "30", "--recipes", "torch+bf16"],  # and a prepare recipe
+    ["bench", "--hf-config", "llama2-7b", "--budget-fraction", "1.5"],  # a fraction is in (0, 1]
+    ["bench", "--hf-config", "llama2-7b", "--budget-fraction", "0.9", "--budget-gib", "30"],  # one budget
+    ["bench", "--budget-fraction", "0.9"],  # with --hf-config only
+    ["bench", "--hf-config", "llama2-7b", "--budget-fraction", "0.9", "--device", "cpu"],  # a GPU's fraction
 ]
 
 
