@@ -46,7 +46,9 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lpoptim  # noqa: E402
+from lpoptim.__main__ import positive_int  # noqa: E402
 from lpoptim.optim import distributed as lpdist  # noqa: E402
+from lpoptim.planner import ACTIVATIONS  # noqa: E402
 from lpoptim.stack import Stack, parse_stack  # noqa: E402
 from lpoptim.train.llama import PRESETS, Llama, LlamaConfig  # noqa: E402
 
@@ -216,22 +218,21 @@ def main(argv=None):
                     help="torch AdamW's implementation (default: torch's choice, foreach on CUDA; its step holds "
                          "fp32 temporaries the size of the parameter shard, fused does not)")
     ap.add_argument("--ac", action="store_true", help="activation checkpointing per block")
-    ap.add_argument("--prepare-activations", choices=["auto", "none", "fp8", "fp8_attention", "recompute"], default="auto",
+    ap.add_argument("--prepare-activations", choices=["auto", "none", *ACTIVATIONS[1:]], default="auto",
                     help="prepare runs: what the blocks save (prepare's activations=; auto: nothing changed, as "
                          "prepare takes no memory budget under FSDP2). recompute: each block's input in FP8 only")
     ap.add_argument("--bf16-reduce", action="store_true",
                     help="runs with bf16 parameters (+bf16) reduce-scatter their gradients in bf16 rather than fp32")
     ap.add_argument("--compile", action="store_true",
                     help="compile each block of the torch and lpoptim runs (prepare compiles on CUDA by itself)")
-    ap.add_argument("--layers", type=int, default=None,
+    ap.add_argument("--layers", type=positive_int, default=None,
                     help="every model with this many blocks, its widths unchanged (e.g. llama70b on fewer GPUs)")
     ap.add_argument("--small", action="store_true", help="CPU smoke run: gloo, a tiny model, 64 tokens")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     unknown = [k for k in args.models.split(",") if k not in CONFIGS]
-    if unknown or (args.layers is not None and args.layers < 1):
-        ap.error(f"unknown models {unknown} (choose from {', '.join(CONFIGS)})" if unknown else
-                 f"--layers must be at least 1, got {args.layers}")
+    if unknown:
+        ap.error(f"unknown models {unknown} (choose from {', '.join(CONFIGS)})")
     for opt_name in args.optimizers.split(","):  # all refused before any run (a 70 B run takes a while)
         try:
             optimizer_run(opt_name)

@@ -259,11 +259,8 @@ def cmd_bench(ap: Parser, args, argv) -> int:
         ap.error(f"argument --recipes: {', '.join(hf_only)} run on a Hugging Face model: they need --hf-config")
     if budget_given and args.recipes and not any(r.optimizer == "prepare" for r in args.recipes):
         ap.error(f"argument {budget_arg}: it is the prepare recipe's budget; no prepare recipe in --recipes")
-    budget_gib = args.budget_gib
-    if args.budget_fraction is not None:  # the fraction of this GPU, in GiB, as prepare's max_memory_fraction
-        from .planner import device_memory_gib
-
-        budget_gib = args.budget_fraction * device_memory_gib(torch.device("cuda", torch.cuda.current_device()))
+    budget = (dict(max_memory_gib=args.budget_gib) if args.budget_gib is not None else
+              dict(max_memory_fraction=args.budget_fraction) if args.budget_fraction is not None else None)
     if args.hf_config is not None:
         try:
             import transformers  # noqa: F401
@@ -286,7 +283,7 @@ def cmd_bench(ap: Parser, args, argv) -> int:
     report = bench.run(preset, names, batch, seq, args.steps, args.warmup, device,
                        compile_blocks=args.compile, log=lambda s: print(s, file=sys.stderr, flush=True),
                        n_layer=args.n_layer, memory_cap_gib=args.memory_cap_gib, hf_config=hf_config,
-                       budget_gib=budget_gib)
+                       budget=budget)
     report["command"] = shlex.join(["python", "-m", "lpoptim", *argv])
     paths = bench.write(report, out_dir)
     print("\n" + bench.table(report))

@@ -198,7 +198,7 @@ def load_hf_config(path: str):
 HF_CONFIGS = Path(__file__).parent / "data" / "hf_configs"
 
 
-def build_hf(stack: Stack, hf_config, device: str, compile_blocks: bool, tokens: int, budget_gib: float | None = None):
+def build_hf(stack: Stack, hf_config, device: str, compile_blocks: bool, tokens: int, budget: dict | None = None):
     """An HF causal LM built from ``hf_config`` (random init, no download) and its optimizer, for one stack:
     lpoptim stacks through lpoptim.prepare with the stack's parts as its options; the others as a torch user
     would run them (the decoder layers compiled in place, torch AdamW fused)."""
@@ -217,7 +217,7 @@ def build_hf(stack: Stack, hf_config, device: str, compile_blocks: bool, tokens:
     info = {}
     if stack.optimizer in ("lpoptim", "prepare"):
         if stack.optimizer == "prepare":
-            options = dict(max_memory_gib=budget_gib, tokens=tokens) if budget_gib else {}
+            options = dict(budget, tokens=tokens) if budget else {}
         else:
             options = dict(linears=stack.linears, compile=compile_blocks, step_in_backward=stack.in_backward,
                            chunked_loss=stack.chunked_loss,
@@ -229,7 +229,7 @@ def build_hf(stack: Stack, hf_config, device: str, compile_blocks: bool, tokens:
         chosen = opt.plan
         info["plan"] = chosen.summary()
         info["estimated_peak_bytes"] = estimate_peak_bytes(model, model.get_submodule(chosen.blocks), chosen, tokens)
-        info["budget_gib"] = options.get("max_memory_gib")
+        info["budget"] = budget
         return model, opt, None, info
     if stack.linears == "torchao":
         torchao_float8(model)
@@ -296,18 +296,18 @@ def autocast_loss(model, x, y, device: str) -> torch.Tensor:
 
 
 def run_stack(stack: Stack, cfg, batch: int, seq: int, steps: int, warmup: int, device: str,
-              compile_blocks: bool, budget_gib: float | None = None) -> dict:
+              compile_blocks: bool, budget: dict | None = None) -> dict:
     """One stack's figures; ``cfg`` is a LlamaConfig (lpoptim's own model) or a transformers config."""
     with stack_context(stack, compile_blocks, hf=is_hf(cfg)):
-        return _run_stack(stack, cfg, batch, seq, steps, warmup, device, compile_blocks, budget_gib)
+        return _run_stack(stack, cfg, batch, seq, steps, warmup, device, compile_blocks, budget)
 
 
 def _run_stack(stack: Stack, cfg, batch: int, seq: int, steps: int, warmup: int, device: str,
-               compile_blocks: bool, budget_gib: float | None = None) -> dict:
+               compile_blocks: bool, budget: dict | None = None) -> dict:
     cuda = device == "cuda"
     hf = is_hf(cfg)
     if hf:
-        model, opt, handle, info = build_hf(stack, cfg, device, compile_blocks, batch * seq, budget_gib)
+        model, opt, handle, info = build_hf(stack, cfg, device, compile_blocks, batch * seq, budget)
     else:
         model, opt, handle, info = build(stack, cfg, device, compile_blocks)
     gen = torch.Generator(device=device).manual_seed(1)
@@ -407,12 +407,13 @@ def hf_summary(cfg) -> dict:
 
 def run(preset: str, recipes: list[str], batch: int, seq: int, steps: int, warmup: int, device: str,
         compile_blocks: bool = False, log=print, n_layer: int | None = None, memory_cap_gib: float | None = None,
-        hf_config=None, budget_gib: float | None = None) -> dict:
+        hf_config=None, budget: dict | None = None) -> dict:
     """Benchmark each recipe in turn; returns the dict written to bench.json.
 
     ``hf_config``: a transformers config (load_hf_config) to build instead of the preset (``preset`` then names
     it); ``n_layer`` overrides the depth; ``memory_cap_gib`` caps the CUDA allocator (an 80 GB GPU's budget on a
-    larger one: torch.cuda.set_per_process_memory_fraction); ``budget_gib``: the prepare recipe's max_memory_gib."""
+    larger one: torch.cuda.set_per_process_memory_fraction); ``budget``: the prepare recipe's budget, as prepare's
+    keyword (``{"max_memory_gib": 30}`` or ``{"max_memory_fraction": 0.9}``, a fraction of the capped memory)."""
     if hf_config is not None:
         cfg = hf_config
         if n_layer is not None:
@@ -441,7 +442,7 @@ def run(preset: str, recipes: list[str], batch: int, seq: int, steps: int, warmu
         base = torch.cuda.memory_allocated() if device == "cuda" else 0
         base_reserved = torch.cuda.memory_reserved() if device == "cuda" else 0
         try:
-            out = run_stack(stack, cfg, batch, seq, steps, warmup, device, compile_blocks, budget_gib)
+            out = run_stack(stack, cfg, batch, seq, steps, warmup, device, compile_blocks, budget)
             out["peak_bytes"] -= base_reserved if stack.cuda_graphs else base
             out["peak_reserved_bytes"] -= base_reserved
             row.update(out)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .nn.linear_cross_entropy import keeps_logits_grad
 from .quant import num_groups, packed_shape
 
 BUCKET_BYTES = 256 * 2**20  # step_in_backward's default bucket
@@ -96,10 +97,14 @@ def estimate_peak_bytes(model: nn.Module, blocks: nn.ModuleList, plan, tokens: i
     head_bytes = 0
     if isinstance(head, nn.Linear):
         vocab, d = head.weight.shape
-        # chunked: the hidden states' and the weight's gradients, and the smaller of the logits' gradient and an
-        # fp32 sum of the weight's (nn/linear_cross_entropy.py)
-        head_bytes = (tokens * d * elem + vocab * d * elem + min(tokens * vocab * elem, vocab * d * 4)
-                      if plan.chunked_loss else tokens * vocab * (elem + 8))
+        w_elem = head.weight.element_size()
+        if plan.chunked_loss:  # the hidden states' and the weight's gradients, and the logits' gradient kept whole
+            # or an fp32 sum of the weight's (nn/linear_cross_entropy.py; an fp32 head's sum is its gradient)
+            kept = keeps_logits_grad(tokens, d, elem, w_elem == elem)
+            head_bytes = (tokens * d * elem + vocab * d * w_elem
+                          + (tokens * vocab * elem if kept else vocab * d * 4 if w_elem < 4 else 0))
+        else:
+            head_bytes = tokens * vocab * (elem + 8)
     if plan.step_in_backward:
         transient = activations + head_bytes + min(BUCKET_BYTES, sum(grads)) + max(grads)
     else:

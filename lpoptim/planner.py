@@ -65,6 +65,7 @@ from .nn import LowBitLinear, convert_linears
 from .nn.causal_lm_loss import chunk_causal_lm_loss, restore_causal_lm_loss, why_not
 from .nn.recipes import DEFAULT_RECIPE, RECIPES
 from .optim import AdamW
+from .optim.adamw import _is_real
 from .optim import step_in_backward as fuse_step_into_backward
 
 AUTO = "auto"
@@ -255,11 +256,13 @@ def _sharded_parts(stack_name: str, stack: nn.ModuleList, params, linears, max_m
 
 
 def device_memory_gib(device: torch.device) -> float:
-    """The total memory of a CUDA device in GiB (what ``max_memory_fraction`` is a fraction of)."""
+    """What this process may allocate on a CUDA device, in GiB (what ``max_memory_fraction`` is a fraction of):
+    its total memory, times the cap ``torch.cuda.set_per_process_memory_fraction`` set, if any."""
     if device.type != "cuda":
         raise ValueError(f"lpoptim.prepare: max_memory_fraction is a fraction of a GPU's memory, and the parameters "
                          f"are on {device}; pass max_memory_gib instead")
-    return torch.cuda.get_device_properties(device).total_memory / 2**30
+    cap = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _device: 1.0)(device)
+    return torch.cuda.get_device_properties(device).total_memory * cap / 2**30
 
 
 def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compile=AUTO, step_in_backward=AUTO,
@@ -280,11 +283,9 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     if max_memory_fraction is not None:
         if max_memory_gib is not None:
             raise ValueError("lpoptim.prepare: a budget is max_memory_gib or max_memory_fraction, not both")
-        if not (isinstance(max_memory_fraction, (int, float)) and not isinstance(max_memory_fraction, bool)
-                and 0 < max_memory_fraction <= 1):
+        if not (_is_real(max_memory_fraction) and 0 < max_memory_fraction <= 1):
             raise ValueError(f"lpoptim.prepare: max_memory_fraction is in (0, 1], got {max_memory_fraction!r}")
-    if max_memory_gib is not None and not (isinstance(max_memory_gib, (int, float))
-                                           and not isinstance(max_memory_gib, bool) and max_memory_gib > 0):
+    if max_memory_gib is not None and not (_is_real(max_memory_gib) and max_memory_gib > 0):
         raise ValueError(f"lpoptim.prepare: max_memory_gib must be a positive number, got {max_memory_gib!r}")
     budget_name = "max_memory_gib" if max_memory_fraction is None else "max_memory_fraction"
     if (max_memory_gib is not None or max_memory_fraction is not None) and not (isinstance(tokens, int) and tokens > 0):
@@ -351,7 +352,8 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
                              "pass activations=None to keep HF's")
         activations, reasons["activations"] = None, "HF gradient checkpointing already recomputes the blocks"
     if activations == AUTO:
-        activation_choices = [None, "fp8", "fp8_attention", *(AUTO_BUDGETS if compile else ()), "recompute"]
+        # fastest first: as saved, FP8, FP8 with attention's, Inductor's budgets (compiled), recompute
+        activation_choices = [*ACTIVATIONS[:-1], *(AUTO_BUDGETS if compile else ()), ACTIVATIONS[-1]]
     else:
         activation_choices = [activations or None]
 

@@ -46,6 +46,22 @@ def test_under_bf16_autocast_with_fp32_weight():
     assert F.cosine_similarity(fw.flatten(), gw.flatten(), dim=0) > 0.999
 
 
+@pytest.mark.parametrize("ignore_index", [-100, 0, 50])
+def test_ignore_index_anywhere(ignore_index):
+    """ignore_index may be a class (0) or past the vocabulary (50 of 50), as F.cross_entropy allows: those targets
+    count nowhere and index nothing."""
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(30, 16, generator=g, requires_grad=True)
+    w = torch.randn(50, 16, generator=g, requires_grad=True)
+    t = torch.randint(0, 50, (30,), generator=g)
+    t[::4] = ignore_index
+    ref = _reference(h, w, t, ignore_index=ignore_index)
+    out = linear_cross_entropy(h, w, t, chunk=7, ignore_index=ignore_index)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for got, want in zip(torch.autograd.grad(out, (h, w)), torch.autograd.grad(ref, (h, w))):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
 def test_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match="targets"):
         linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(5, dtype=torch.long))
@@ -53,15 +69,19 @@ def test_refuses_mismatched_shapes():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [64, 300])
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
-def test_cuda_bf16_head_gradient(weight_dtype):
-    """On CUDA under bf16 autocast: the head's gradient in the weight's dtype, from one GEMM over all tokens per
-    vocabulary slice (bf16 head) or bf16 GEMMs added into fp32 (fp32 head: addmm with out_dtype, checked exactly)."""
+def test_cuda_bf16_head_gradient(weight_dtype, tokens):
+    """On CUDA under bf16 autocast: the head's gradient in the weight's dtype, from one GEMM over every token's kept
+    logits gradient (bf16 head, 4 x 64 tokens at width 256) or the chunks' bf16 GEMMs added into fp32 (an fp32 head,
+    or 4 x 300 tokens: addmm with out_dtype, checked exactly)."""
     lce = importlib.import_module("lpoptim.nn.linear_cross_entropy")
     g = torch.Generator(device="cuda").manual_seed(2)
-    h = torch.randn(4, 300, 256, device="cuda", generator=g).bfloat16().requires_grad_()
+    h = torch.randn(4, tokens, 256, device="cuda", generator=g).bfloat16().requires_grad_()
     w = (torch.randn(1000, 256, device="cuda", generator=g) * 0.05).to(weight_dtype).requires_grad_()
-    t = torch.randint(0, 1000, (4, 300), device="cuda", generator=g)
+    t = torch.randint(0, 1000, (4, tokens), device="cuda", generator=g)
+    keeps = lce.keeps_logits_grad(4 * tokens, 256, 2, weight_dtype == torch.bfloat16)
+    assert keeps == (tokens == 64 and weight_dtype == torch.bfloat16)  # both of the forward's paths are run
     with torch.autocast("cuda", dtype=torch.bfloat16):
         ref = F.cross_entropy((h @ w.t().to(torch.bfloat16)).float().view(-1, 1000), t.view(-1))
         out = linear_cross_entropy(h, w, t, chunk=128)

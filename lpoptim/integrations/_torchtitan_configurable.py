@@ -213,7 +213,8 @@ def use_lpoptim(config, *, recipe: str | None = DEFAULT_RECIPE, activations: boo
     ValueError, before anything changes, for a config that is lpoptim's already or has no AdamW group."""
     names = [g.optimizer_name for g in config.optimizer.param_groups]
     if OPTIMIZER_NAME in names or isinstance(config.optimizer, LpoptimOptimizersContainer.Config):
-        raise ValueError("use_lpoptim: this config uses lpoptim already (its blocks would be converted twice)")
+        raise ValueError("use_lpoptim: this config uses lpoptim.AdamW already (use_lpoptim would convert its blocks "
+                         "a second time)")
     if "AdamW" not in names:
         raise ValueError(f"use_lpoptim: the config's optimizer has no AdamW parameter group to replace (its groups: "
                          f"{names}); set config.optimizer = lpoptim_adamw(...) and the converter yourself")
@@ -227,7 +228,7 @@ def use_lpoptim(config, *, recipe: str | None = DEFAULT_RECIPE, activations: boo
         config.activation_checkpoint = None
     groups = []
     for g in config.optimizer.param_groups:
-        if g.optimizer_name in ("AdamW", OPTIMIZER_NAME):
+        if g.optimizer_name == "AdamW":  # (a config with lpoptim's already was refused above)
             g = ParamGroupConfig(pattern=g.pattern, optimizer_name=OPTIMIZER_NAME,
                                  optimizer_kwargs={**g.optimizer_kwargs, **adamw})
         groups.append(g)

@@ -20,11 +20,19 @@ import warnings
 import torch
 
 
+def keeps_logits_grad(tokens: int, width: int, elem: int, same_dtype: bool) -> bool:
+    """Whether the forward keeps every token's logits gradient (``elem`` bytes each) rather than an fp32 sum of the
+    head's gradient: a 2-byte head computed in its own dtype, with no more bytes of gradient than of sum."""
+    return same_dtype and elem == 2 and tokens * elem <= 4 * width
+
+
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (fp32) += a @ b for bf16/fp16 a, b. On CUDA one GEMM that adds into fp32 (``addmm`` with ``out_dtype``,
+    """acc (fp32) += a @ b. For bf16/fp16 a, b on CUDA one GEMM that adds into fp32 (``addmm`` with ``out_dtype``,
     torch >= 2.9, where this torch has it): no bf16 product and fp32 copy of acc's size at the forward's end, where
     every activation is saved."""
-    if acc.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and addmm_accumulates_in_fp32(acc.device, a.dtype):
+    if a.dtype == acc.dtype:  # fp32 products: added in place, no temporary of acc's size
+        acc.addmm_(a, b)
+    elif acc.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and addmm_accumulates_in_fp32(acc.device, a.dtype):
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:
         acc += (a @ b).float()
@@ -61,17 +69,18 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         t = targets.reshape(-1)
         w = weight.to(h.dtype)  # the compute dtype: bf16 under autocast, as nn.Linear would run
         valid = t != ignore_index
-        picks = t.clamp_min(0)
+        picks = torch.where(valid, t, 0)  # an ignored target indexes nothing (ignore_index may be >= 0)
         count = valid.sum().clamp_min(1).float()  # a device tensor: no host sync
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if hidden.requires_grad else None
-        # The head's gradient is sum_chunks g^T h. Kept whole, every token's logits gradient (compute dtype) takes
-        # one GEMM at the end, rounded once; else the chunks' products are summed into fp32. Whichever is smaller:
-        # this is the forward's end, every activation saved, the step's peak. (At 1 x 2048 tokens and a 32 k x 4096
-        # head: 0.12 GiB of gradients against 0.49 GiB of fp32 sum and its 0.24 GiB bf16 copy at the end.)
+        # The head's gradient is sum_chunks g^T h. For a bf16/fp16 head computed in its own dtype, every token's
+        # logits gradient kept whole takes one GEMM at the end, rounded once, where that is smaller than the fp32
+        # sum of the chunks' products (and its copy in the weight's dtype at the end): this is the forward's end,
+        # every activation saved, the step's peak. (At 1 x 2048 tokens and a 32 k x 4096 head: 0.12 GiB of
+        # gradients against 0.49 GiB of fp32 sum and its 0.24 GiB bf16 copy.) An fp32 head's sum is its gradient.
         grads = acc = None
         if weight.requires_grad:
-            if h.shape[0] * h.element_size() <= 4 * h.shape[1]:
+            if keeps_logits_grad(h.shape[0], h.shape[1], h.element_size(), h.dtype == weight.dtype):
                 grads = torch.empty(h.shape[0], w.shape[0], dtype=h.dtype, device=h.device)
             else:
                 acc = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
@@ -93,11 +102,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if acc is not None:
                 _accumulate(acc, g.t(), hs)
         grad_w = None
-        if grads is not None and weight.dtype == h.dtype:
+        if grads is not None:
             grad_w = grads.t() @ h
-        elif grads is not None:  # an fp32 head under autocast: the bf16 GEMM added into fp32 zeros
-            grad_w = torch.zeros(weight.shape, dtype=weight.dtype, device=h.device)
-            _accumulate(grad_w, grads.t(), h)
         elif acc is not None:
             # kept until backward in the weight's dtype, which is what backward returns anyway: half the bytes of
             # the fp32 sum, held through the whole backward's peak
