@@ -56,6 +56,23 @@ def test_absmax_through_the_launcher():
             assert finite_absmax(t).item() == reference_absmax(t.float()).item()
 
 
+def test_bound_launch_is_the_ordinary_launch():
+    """launcher(k).bind(warps, **constexprs)(grid, *args) computes what k[grid](*args, ...) does, on aligned and
+    unaligned views and other strides (on a GPU through the cache it shares with the unbound launcher)."""
+    from lpoptim.kernels.linear_quant import _finite_absmax_kernel
+    run = launch.launcher(_finite_absmax_kernel)
+    bound = run.bind(4, BLOCK_R=16, BLOCK_C=128)
+    x = torch.randn(40, 72, device="cuda" if torch.cuda.is_available() else "cpu")
+    x[3, 5] = -7.5
+    for t in (x, x[1:, 1:], x.t(), x.to(torch.bfloat16)):
+        for launch_ in (bound, lambda grid, *a: run(grid, *a, num_warps=4, BLOCK_R=16, BLOCK_C=128)):
+            for _ in range(2):
+                bits = torch.zeros((), device=x.device, dtype=torch.int32)
+                R, C = t.shape
+                launch_((launch.cdiv(R, 16),), t, bits, R, C, t.stride(0), t.stride(1))
+                assert bits.view(torch.float32).item() == reference_absmax(t.float()).item()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cached_launch_matches_ordinary_launch_on_gpu():

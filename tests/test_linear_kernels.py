@@ -126,6 +126,8 @@ def test_per_tensor_rows_and_cols_match_the_references(row_fmt, col_fmt, dtype, 
         assert torch.equal(s, ref.scale) and s.shape == ()
     if cols is not None:
         assert (cols[0].float()[:, 150:] == 0).all()  # padded tokens are zeros
+    if row_fmt is not None and row_fmt == col_fmt:  # one scale: one tensor for both copies (one allocation less)
+        assert rows[1] is cols[1]
 
 
 def test_per_tensor_quantize_rows_is_the_rows_half():

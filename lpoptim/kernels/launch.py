@@ -19,19 +19,33 @@ import torch
 from .grid import interpreted
 
 
+def _int_spec(a: int) -> tuple:
+    return (a == 1, not a & 15, -(1 << 31) <= a < (1 << 31), a < (1 << 63))
+
+
+_INT_SPECS: dict = {}  # the spec of each integer seen (shapes, strides, offsets: a few hundred in a model)
+
+
 def _spec(args) -> tuple | None:
     """What Triton specializes the runtime arguments on (or finer): per tensor its dtype and 16-byte alignment, per
     integer whether it is 1, divisible by 16, and which of int32 / int64 / uint64 it needs; bools and None as they
-    are; floats by type. None for any other argument (a tuple, a tensor descriptor): Triton's own launch then."""
+    are; floats by type. None for any other argument (a tuple, a tensor descriptor): Triton's own launch then.
+    Dispatched on the exact type first: this runs on every launch (a few microseconds of an eager layer's host time)."""
     spec = []
     for a in args:
-        if isinstance(a, torch.Tensor):
-            spec.append((a.dtype, not a.data_ptr() & 15))
-        elif a is None or isinstance(a, bool):
+        t = type(a)
+        if t is int:
+            s = _INT_SPECS.get(a)
+            if s is None:
+                s = _int_spec(a)
+                if len(_INT_SPECS) < 65536:  # bounded: a stream of distinct integers recomputes instead
+                    _INT_SPECS[a] = s
+            spec.append(s)
+        elif a is None or t is bool:
             spec.append(a)
-        elif isinstance(a, int):
-            spec.append((a == 1, not a & 15, -(1 << 31) <= a < (1 << 31), a < (1 << 63)))
-        elif isinstance(a, float):
+        elif isinstance(a, torch.Tensor):
+            spec.append((a.dtype, not a.data_ptr() & 15))
+        elif t is float:
             spec.append(float)
         else:
             return None
@@ -60,12 +74,42 @@ class _Launcher:
             return self._first(key, grid, args, num_warps, constexprs)
         return _run(hit, grid, device, args)
 
+    def bind(self, num_warps: int = 4, **constexprs) -> "_Bound":
+        """This kernel with its constexprs and warps fixed: ``bind(...)(grid, *args)`` launches as
+        ``self(grid, *args, num_warps=..., **constexprs)`` does, without building their part of the key per call
+        (for a caller that keeps the bound launcher, one per configuration)."""
+        return _Bound(self, num_warps, constexprs)
+
     def _first(self, key, grid, args, num_warps, constexprs):
         ck = self.kernel[grid](*args, num_warps=num_warps, **constexprs)
         if ck is not None and getattr(ck, "function", None) is not None:
             consts = tuple(constexprs.get(n, self.defaults[n]) for n in self.const_names)
             self.cache[key] = (ck, consts)
         return ck
+
+
+class _Bound:
+    __slots__ = ("launcher", "num_warps", "constexprs", "const_key", "cache")
+
+    def __init__(self, launcher: _Launcher, num_warps: int, constexprs: dict):
+        self.launcher, self.num_warps, self.constexprs = launcher, num_warps, constexprs
+        self.const_key = (num_warps, tuple(constexprs.items()))
+        self.cache: dict = {}  # (device, spec) -> the launcher's cache entry
+
+    def __call__(self, grid, *args):
+        L = self.launcher
+        spec = _spec(args) if L.fast and not interpreted() and len(args) == L.n_runtime else None
+        if spec is None or _triton_path_needed(L.kernel):
+            return L.kernel[grid](*args, num_warps=self.num_warps, **self.constexprs)
+        device = torch._C._cuda_getDevice()
+        hit = self.cache.get((device, spec))
+        if hit is None:
+            key = (device, *self.const_key, spec)
+            hit = L.cache.get(key)
+            if hit is None:
+                return L._first(key, grid, args, self.num_warps, self.constexprs)
+            self.cache[(device, spec)] = hit
+        return _run(hit, grid, device, args)
 
 
 def _run(hit, grid, device: int, args):

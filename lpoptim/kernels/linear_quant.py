@@ -370,14 +370,21 @@ def _quantize_store(x_ptr, a, b, stride_a, stride_b, A, B, out_ptr, OUT_W, scale
 
 
 @functools.cache
-def _tensor_constexprs(row_fmt, col_fmt, slots: int, block_r: int, block_c: int, interp: bool,
-                       store_used: bool = False) -> dict:
-    """_quant_tensor_kernel's constexprs for one configuration (formats, None for a copy not written; tile;
-    history length, 0: no history; whether the used absmax is stored)."""
-    return dict(ROW_FMT=None if row_fmt is None else _format_constexprs(row_fmt),
-                COL_FMT=None if col_fmt is None else _format_constexprs(col_fmt), BLOCK_R=block_r, BLOCK_C=block_c,
-                ON_GPU=not interp, N_SLOTS=max(slots, 1), SLOTS_P2=next_power_of_2(max(slots, 1)),
-                STORE_USED=store_used)
+def _tensor_launch(row_fmt, col_fmt, slots: int, store_used: bool, interp: bool):
+    """What quantize_tensor_rows_cols launches for one configuration (formats or None for a copy not written; the
+    history's length, 0: no history; whether the used absmax is stored), worked out once: (the first launch, the
+    second (REDO) launch or None, the tile (block_r, block_c), the copies' container dtypes)."""
+    delayed = slots > 0
+    tune = TUNING["delayed" if delayed else "tensor"]
+    consts = dict(ROW_FMT=None if row_fmt is None else _format_constexprs(row_fmt),
+                  COL_FMT=None if col_fmt is None else _format_constexprs(col_fmt), BLOCK_R=tune["block_r"],
+                  BLOCK_C=tune["block_c"], ON_GPU=not interp, N_SLOTS=max(slots, 1),
+                  SLOTS_P2=next_power_of_2(max(slots, 1)), STORE_USED=store_used)
+    run = launcher(_quant_tensor_kernel)
+    first = run.bind(tune["num_warps"], DELAYED=delayed, REDO=False, **consts)
+    redo = run.bind(tune["num_warps"], DELAYED=False, REDO=True, **consts) if delayed else None
+    dtypes = tuple(None if f is None else container_dtype(f) for f in (row_fmt, col_fmt))
+    return first, redo, (tune["block_r"], tune["block_c"]), dtypes
 
 
 @functools.cache
@@ -409,48 +416,52 @@ def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int |
     not (the first call, a jump) a second launch quantizes again with x's own; ``used_amax`` (0-dim fp32, with
     ``history``) receives the absmax the scale came from, max(history, x's own), as history.take_ref returns it.
     A format of None skips that copy. Returns ((values, scale) or None, (values, scale) or None), each equal to
-    operands.quantize_operand_ref(..., "tensor") of x or of x.t() (with the amax history.take_ref gives)."""
+    operands.quantize_operand_ref(..., "tensor") of x or of x.t() (with the amax history.take_ref gives); where
+    both copies have one format they share one scale tensor.
+
+    An eager layer calls this four times a step: it is kept to few Python operations (the launches and their
+    constexprs are worked out once per configuration, _tensor_launch)."""
     R, C = x.shape
-    if history is not None and amax is not None:
-        raise ValueError("amax or history, not both")
     delayed = history is not None
+    if delayed and amax is not None:
+        raise ValueError("amax or history, not both")
     if used_amax is not None and not delayed:
         raise ValueError("used_amax: with history (delayed scaling) only")
-    hist, offset, write, zero = x, 0, 0, 0  # unused unless delayed
+    row_fmt = None if row_fmt is None else get_format(row_fmt)
+    col_fmt = None if col_fmt is None else get_format(col_fmt)
+    first, redo, (block_r, block_c), (row_dtype, col_dtype) = _tensor_launch(
+        row_fmt, col_fmt, history.slots if delayed else 0, used_amax is not None, interpreted())
     if delayed:
         hist = history.bits
         # the used absmax's output, else an unused pointer (not the history: the interpreter copies aliased
         # arguments back in turn)
         amax = x if used_amax is None else used_amax
-    elif amax is None:
-        amax = finite_absmax(x)
-    rows = cols = None
-    dummy = x  # pointers of a copy not written: read-only x (the interpreter copies aliased arguments back in turn)
-    row_fmt = get_format(row_fmt) if row_fmt is not None else None
-    col_fmt = get_format(col_fmt) if col_fmt is not None else None
+    else:
+        hist = x
+        if amax is None:
+            amax = finite_absmax(x)
+    device = x.device
+    # pointers of a copy not written: read-only x (the interpreter copies aliased arguments back in turn)
+    row_values = row_scale = col_values = col_scale = x
     if row_fmt is not None:
-        rows = (torch.empty((R, row_cols), device=x.device, dtype=container_dtype(row_fmt)),
-                torch.empty((), device=x.device, dtype=torch.float32))
+        row_values = torch.empty((R, row_cols), device=device, dtype=row_dtype)
+        row_scale = torch.empty((), device=device, dtype=torch.float32)
     if col_fmt is not None:
-        cols = (torch.empty((C, col_cols), device=x.device, dtype=container_dtype(col_fmt)),
-                torch.empty((), device=x.device, dtype=torch.float32))
+        col_values = torch.empty((C, col_cols), device=device, dtype=col_dtype)
+        # one format: one scale, which both copies store (the same value)
+        col_scale = row_scale if col_fmt == row_fmt else torch.empty((), device=device, dtype=torch.float32)
+    rows = (row_values, row_scale) if row_fmt is not None else None
+    cols = (col_values, col_scale) if col_fmt is not None else None
     rp = col_cols if cols else R
     cp = row_cols if rows else C
-    tune = TUNING["delayed" if delayed else "tensor"]
-    block_r, block_c = tune["block_r"], tune["block_c"]
     if max(R, rp) and max(C, cp):
-        if delayed:  # counted once nothing before the launch can fail, so that the ring's slots stay in step
-            offset, write, zero = history.advance()
-        grid = (cdiv(max(R, rp), block_r), cdiv(max(C, cp), block_c))
-        args = (x, amax, *(rows or (dummy, dummy)), *(cols or (dummy, dummy)), R, C, rp, cp, x.stride(0), x.stride(1),
+        offset, write, zero = history.advance() if delayed else (0, 0, 0)  # counted once nothing can fail
+        args = (x, amax, row_values, row_scale, col_values, col_scale, R, C, rp, cp, x.stride(0), x.stride(1),
                 hist, offset, write, zero)
-        consts = _tensor_constexprs(row_fmt, col_fmt, history.slots if delayed else 0, block_r, block_c,
-                                    interpreted(), used_amax is not None)
-        launch = launcher(_quant_tensor_kernel)
-        launch(grid, *args, DELAYED=delayed, REDO=False, num_warps=tune["num_warps"], **consts)
+        grid = (-(-max(R, rp) // block_r), -(-max(C, cp) // block_c))
+        first(grid, *args)
         if delayed:  # where x's own absmax exceeds the history's (a no-op launch otherwise)
-            launch((min(grid[0] * grid[1], _redo_programs(x.device)),), *args, DELAYED=False, REDO=True,
-                   num_warps=tune["num_warps"], **consts)
+            redo((min(grid[0] * grid[1], _redo_programs(device)),), *args)
     else:  # nothing to read: the scales of an all-zero tensor (delayed: of the history, which records a zero)
         if delayed:
             amax = history.take_ref(x)

@@ -11,6 +11,8 @@ multiples of 16 (checked by the module). Biases are added in the output dtype; d
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..formats import E2M1
@@ -18,6 +20,14 @@ from ..quant import absmax_scale
 from .fp4 import dge_derivative, occ_split, residual_matmul
 from .operands import Operand, gemm, quantize, quantize_pair, tensor_amax, use_kernels
 from .recipes import Recipe
+
+
+def _autocast_off(device_type: str):
+    """torch.autocast(device_type, enabled=False) where autocast is on; where it is off, nothing to enter (the
+    context costs microseconds of host time, and an eager layer's host time is its step's limit)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -158,7 +168,7 @@ def lowbit_backward(g2, w, xt: Operand | None, w_stat, r: Recipe, need_dx: bool,
     """(dx2, dW, db), None where not needed: the backward GEMMs of the recipe; dW needs the saved xᵀ.
     ``histories``: as lowbit_forward's (dy's is taken here, and W's where the forward left no statistic)."""
     need_dw = need_dw and xt is not None
-    with torch.autocast(g2.device.type, enabled=False):
+    with _autocast_off(g2.device.type):
         fn = FUNCTIONS[r.fwd_fmt]
         dw_dtype = w.dtype
         # a factor follows (the DGE): dW in fp32, except from the row-wise CUDA GEMM, which writes bf16 whatever
@@ -284,5 +294,5 @@ def lowbit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if histories is not None and len(histories) != 3:
         raise ValueError(f"histories: (x's, dy's, W's) AmaxHistory, got {len(histories)}")
     fn = FUNCTIONS[recipe.fwd_fmt]
-    with torch.autocast(x.device.type, enabled=False):
+    with _autocast_off(x.device.type):
         return fn.apply(x, weight, bias, recipe, out_dtype, torch.is_grad_enabled(), histories)
