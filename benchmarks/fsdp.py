@@ -228,6 +228,9 @@ def main(argv=None):
     ap.add_argument("--layers", type=positive_int, default=None,
                     help="every model with this many blocks, its widths unchanged (e.g. llama70b on fewer GPUs)")
     ap.add_argument("--small", action="store_true", help="CPU smoke run: gloo, a tiny model, 64 tokens")
+    ap.add_argument("--timeout-min", type=positive_int, default=5,
+                    help="minutes a collective may wait before the run ends (a rank out of memory leaves the others "
+                         "waiting); raise it where a first step compiles longer than that")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     unknown = [k for k in args.models.split(",") if k not in CONFIGS]
@@ -242,9 +245,9 @@ def main(argv=None):
         args.models, args.seq, args.steps, args.warmup = "small", 64, 3, 1
 
     use_cuda = torch.cuda.is_available() and not args.small
-    # a collective that waits 5 minutes ends the run (a rank out of memory leaves the others waiting), well within
-    # what a single call on a lent machine may take; the runs before it are on disk (save below)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=5))
+    # a collective that waits --timeout-min minutes ends the run (a rank out of memory leaves the others waiting);
+    # the runs before it are on disk (save below)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=args.timeout_min))
     rank, world = dist.get_rank(), dist.get_world_size()
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))

@@ -529,7 +529,7 @@ def table(report: dict) -> str:
         if key != "peak_bytes":
             cells[0] += " (reserved)"
         if r.get("estimated_peak_bytes") and cuda:  # prepare's estimate beside the measured peak
-            cells[0] += f" (est. {r['estimated_peak_bytes'] / div:.1f})"
+            cells[0] += f" (est. {r['estimated_peak_bytes'] / div:.2f})"  # two decimals, as the peak
         rel = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x tok/s, {r[key] / base[key]:.2f}x mem"
         lines.append(f"| {r['recipe']} | " + " | ".join(cells) +
                      f" | {r['state_bytes_per_param']:.2f} | {r['tokens_per_s']:,.0f} | {rel} |")

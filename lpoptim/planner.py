@@ -225,7 +225,7 @@ def _module_class(module: nn.Module) -> type:
     return bases[1] if len(bases) == 2 and bases[0].__name__ == "FSDPModule" else cls
 
 
-def _sharded_parts(stack_name: str, stack: nn.ModuleList, params, linears, max_memory_gib, reasons: dict):
+def _sharded_parts(stack_name: str, stack: nn.ModuleList, params, linears, has_budget: bool, reasons: dict):
     """What differs when the parameters are DTensors (FSDP2's fully_shard, applied before prepare); returns the
     linears choice. The budget is refused (the estimate counts one process holding whole parameters, states and
     gradients, not a rank's shards and the blocks FSDP2 gathers), and so is converting linears: fully_shard keeps
@@ -236,7 +236,7 @@ def _sharded_parts(stack_name: str, stack: nn.ModuleList, params, linears, max_m
 
     if not any(is_dtensor(p) for p in params):
         return linears
-    if max_memory_gib is not None:
+    if has_budget:
         raise ValueError("lpoptim.prepare: a memory budget (max_memory_gib, max_memory_fraction) on a model whose "
                          "parameters are DTensors (FSDP2's fully_shard): the peak estimate counts one process holding "
                          "whole parameters, states and gradients, not one rank's shards; pass no budget and choose "
@@ -298,13 +298,15 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     device = params[0].device
     cuda = device.type == "cuda"
     fp8_cores = cuda and torch.cuda.get_device_capability(device) >= (8, 9)
+    reasons = {}
+    # FSDP2 first: it refuses any budget, before a fraction is asked of the device
+    linears = _sharded_parts(name, stack, params, linears,
+                             max_memory_gib is not None or max_memory_fraction is not None, reasons)
     budget_of = ""  # what the budget is, where it is a fraction of the device
     if max_memory_fraction is not None:
         total = device_memory_gib(device)
         max_memory_gib = max_memory_fraction * total
         budget_of = f" ({max_memory_fraction:g} of {device}'s {total:.3g} GiB)"
-    reasons = {}
-    linears = _sharded_parts(name, stack, params, linears, max_memory_gib, reasons)  # FSDP2
 
     if compile == AUTO:
         compile = cuda

@@ -288,7 +288,8 @@ def _prepare_part(rank: int, mesh, out_dir: str) -> dict:
     res["recompute_params"] = full_params(model)
     # refused before anything changes: FP8 linears after fully_shard, the memory budget
     model = shard_llama(make_llama(), mesh)
-    for key, options in (("linears", dict(linears="fp8_delayed")), ("budget", dict(max_memory_gib=10, tokens=64))):
+    for key, options in (("linears", dict(linears="fp8_delayed")), ("budget", dict(max_memory_gib=10, tokens=64)),
+                         ("fraction", dict(max_memory_fraction=0.5, tokens=64))):
         try:
             lpoptim.prepare(model, **options, **PREP)
             res[f"{key}_error"] = None
@@ -802,6 +803,8 @@ def test_prepare_on_fsdp2_refuses_linears_and_budget_before_any_change(run):
         got = r["prepare"]
         assert "convert_linears" in got["linears_error"] and "fully_shard" in got["linears_error"]
         assert "max_memory_gib" in got["budget_error"] and "DTensors" in got["budget_error"]
+        # a fraction too, before it is asked of the device (on these CPU ranks that would be its own error)
+        assert "DTensors" in got["fraction_error"]
         assert got["refused_untouched"]
         assert not got["prepared_untouched"]  # the check sees what a prepare that ran changed
 
