@@ -19,7 +19,7 @@ activations. Targets: 7B per-GPU peak <= 0.55x torch AdamW's, tokens/s >= 0.95x.
 Optimizer runs (--optimizers, lpoptim's recipe names): ``torch`` and ``lpoptim`` as above; ``+bf16`` shards bf16
 parameters instead of fp32 masters (no fp32 copy anywhere; gradients reduced in fp32, or with ``--bf16-reduce``
 in bf16, their own dtype; lpoptim rounds the update stochastically);
-``+act`` adds compress_activations on every block. ``prepare`` (``+bf16``: bf16 parameters) converts the
+``+act`` adds compress_activations on every block; ``+s4`` keeps lpoptim's moments in 4 bits (state_bits=4). ``prepare`` (``+bf16``: bf16 parameters) converts the
 blocks' linears to FP8 before sharding (on GPUs with FP8 tensor cores) and calls ``lpoptim.prepare`` after
 ``fully_shard``: blocks compiled, the step in backward, the head and loss chunked. ``--compile`` compiles the blocks
 of the torch and lpoptim runs too. Each run is compared with the first of --optimizers that ran (``torch`` by
@@ -46,7 +46,8 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lpoptim  # noqa: E402
-from lpoptim.__main__ import positive_int  # noqa: E402
+from lpoptim.__main__ import positive_float, positive_int  # noqa: E402
+from lpoptim.bench import cap_cuda_memory  # noqa: E402
 from lpoptim.optim import distributed as lpdist  # noqa: E402
 from lpoptim.planner import ACTIVATIONS  # noqa: E402
 from lpoptim.stack import Stack, parse_stack  # noqa: E402
@@ -119,8 +120,9 @@ def optimizer_run(opt_name: str) -> Stack:
     """lpoptim's one recipe vocabulary; this benchmark takes its first parts only. ValueError for the rest."""
     stack = parse_stack(opt_name)
     if stack.optimizer not in ("torch", "lpoptim", "prepare") or stack != Stack(
-            stack.optimizer, compress=stack.compress, master=stack.master):
-        raise ValueError(f"unknown optimizer run {opt_name!r}: torch, lpoptim or prepare, then +bf16 and/or +act")
+            stack.optimizer, compress=stack.compress, master=stack.master, state_bits=stack.state_bits):
+        raise ValueError(f"unknown optimizer run {opt_name!r}: torch, lpoptim or prepare, then +bf16, +act and/or "
+                         "+s4 (lpoptim's moments in 4 bits)")
     return stack
 
 
@@ -143,13 +145,14 @@ def run_one(opt_name: str, c: LlamaConfig, args, device, mesh) -> dict:
     if base == "prepare":
         model.chunked_loss = True  # the head and loss chunk by chunk (prepare's chunked loss is HF's hook)
         activations = {"auto": "auto", "none": None}.get(args.prepare_activations, args.prepare_activations)
-        opt = lpoptim.prepare(model, lr=1e-4, weight_decay=0.1, activations=activations)
+        opt = lpoptim.prepare(model, lr=1e-4, weight_decay=0.1, activations=activations, state_bits=stack.state_bits)
         plan = opt.plan.summary()
     elif args.compile and not stack.compress:  # torch and lpoptim runs: each block compiled in place, as prepare does
         for layer in model.layers:
             layer.compile()
     if base == "lpoptim":
-        opt = lpoptim.AdamW(params, lr=1e-4, weight_decay=0.1, bf16_stochastic_round=stack.master == "bf16")
+        opt = lpoptim.AdamW(params, lr=1e-4, weight_decay=0.1, bf16_stochastic_round=stack.master == "bf16",
+                            state_bits=stack.state_bits)
     elif base == "torch":
         impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[args.torch_impl]
         opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **impl)
@@ -228,6 +231,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=positive_int, default=None,
                     help="every model with this many blocks, its widths unchanged (e.g. llama70b on fewer GPUs)")
     ap.add_argument("--small", action="store_true", help="CPU smoke run: gloo, a tiny model, 64 tokens")
+    ap.add_argument("--memory-cap-gib", type=positive_float, default=None,
+                    help="allow each process's CUDA allocator this many GiB (e.g. 79.1, an H100 80GB's, on H200s)")
     ap.add_argument("--timeout-min", type=positive_int, default=5,
                     help="minutes a collective may wait before the run ends (a rank out of memory leaves the others "
                          "waiting); raise it where a first step compiles longer than that")
@@ -252,6 +257,8 @@ def main(argv=None):
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)
+        if args.memory_cap_gib is not None:
+            cap_cuda_memory(args.memory_cap_gib, device)
     else:
         device = torch.device("cpu")
     from torch.distributed.device_mesh import init_device_mesh
@@ -263,7 +270,8 @@ def main(argv=None):
             "seq": args.seq, "steps": args.steps, "warmup": args.warmup, "activation_checkpointing": args.ac,
             "compile": args.compile, "torch_impl": args.torch_impl,
             "mixed_precision": "bf16 / fp32 reduce" + (" (bf16 parameters: bf16 reduce)" if args.bf16_reduce else ""),
-            "prepare_activations": args.prepare_activations, "targets": TARGETS}
+            "prepare_activations": args.prepare_activations, "memory_cap_gib": args.memory_cap_gib,
+            "targets": TARGETS}
     if rank == 0:
         from lpoptim.bench import environment
 

@@ -405,6 +405,14 @@ def hf_summary(cfg) -> dict:
                 n_kv_head=get("num_key_value_heads", "num_attention_heads", "n_head"), vocab_size=cfg.vocab_size)
 
 
+def cap_cuda_memory(gib: float, device=None) -> None:
+    """Allow this process's CUDA allocator ``gib`` GiB of ``device`` (default: the current one): a smaller GPU's
+    memory on a larger one (``--memory-cap-gib``)."""
+    device = torch.cuda.current_device() if device is None else device
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), device)
+
+
 def run(preset: str, recipes: list[str], batch: int, seq: int, steps: int, warmup: int, device: str,
         compile_blocks: bool = False, log=print, n_layer: int | None = None, memory_cap_gib: float | None = None,
         hf_config=None, budget: dict | None = None) -> dict:
@@ -423,8 +431,7 @@ def run(preset: str, recipes: list[str], batch: int, seq: int, steps: int, warmu
     if memory_cap_gib is not None:
         if device != "cuda":
             raise ValueError("--memory-cap-gib needs CUDA")
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap_gib * 2**30 / total))
+        cap_cuda_memory(memory_cap_gib)
     steps, warmup = max(1, steps), max(1, warmup)  # the last warm-up step is the one that measures memory
     results = []
     for name in recipes:
