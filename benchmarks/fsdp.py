@@ -248,6 +248,8 @@ def main(argv=None):
             ap.error(str(e))
     if args.small:
         args.models, args.seq, args.steps, args.warmup = "small", 64, 3, 1
+    if args.memory_cap_gib is not None and (args.small or not torch.cuda.is_available()):
+        ap.error("--memory-cap-gib caps the CUDA allocator: it needs CUDA (not --small)")
 
     use_cuda = torch.cuda.is_available() and not args.small
     # a collective that waits --timeout-min minutes ends the run (a rank out of memory leaves the others waiting);

@@ -32,14 +32,16 @@ def test_largest_shapes_have_their_published_sizes():
 
 def test_unknown_model_and_bad_layers_are_refused_before_any_work():
     for args, msg in ((["--models", "llama7b,nope"], "unknown models"), (["--layers", "0"], "--layers"),
-                      (["--optimizers", "torch,lpoptim+fp8"], "unknown optimizer run")):
+                      (["--optimizers", "torch,lpoptim+fp8"], "unknown optimizer run"),
+                      (["--optimizers", "torch+s4"], "4-bit states"), (["--small", "--memory-cap-gib", "79"], "CUDA")):
         r = _fsdp_main(*args)
         assert r.returncode == 2 and msg in r.stderr, r.stderr
 
 
 def test_small_run_with_fewer_layers_on_two_cpu_ranks(tmp_path):
     out = tmp_path / "fsdp.json"
-    r = _fsdp_main("--small", "--layers", "3", "--torch-impl", "fused", "--optimizers", "torch+bf16,prepare+bf16",
+    r = _fsdp_main("--small", "--layers", "3", "--torch-impl", "fused", "--optimizers",
+                   "torch+bf16,prepare+bf16,prepare+bf16+s4",
                    "--prepare-activations", "recompute", "--bf16-reduce", "--out", str(out), ranks=2)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -47,7 +49,10 @@ def test_small_run_with_fewer_layers_on_two_cpu_ranks(tmp_path):
     entry = result["results"][0]
     assert entry["model"]["n_layer"] == 3 and "3 layers" in entry["model"]["name"]
     runs = entry["runs"]
-    assert list(runs) == ["torch+bf16", "prepare+bf16"] and all(run["finite"] for run in runs.values())
+    assert list(runs) == ["torch+bf16", "prepare+bf16", "prepare+bf16+s4"] and all(r["finite"] for r in runs.values())
     assert entry["baseline"] == "torch+bf16" and "tokens_ratio" in runs["prepare+bf16"]  # against the first run
     assert runs["prepare+bf16"]["state_gib_per_gpu"] < runs["torch+bf16"]["state_gib_per_gpu"]
     assert "FP8 block inputs + recompute" in runs["prepare+bf16"]["plan"]
+    # 4-bit moments: about half the FP8 states' bytes on each rank (the plan says so too)
+    assert runs["prepare+bf16+s4"]["state_gib_per_gpu"] < 0.7 * runs["prepare+bf16"]["state_gib_per_gpu"]
+    assert "state_bits             4" in runs["prepare+bf16+s4"]["plan"]
