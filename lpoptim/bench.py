@@ -228,6 +228,7 @@ def build_hf(stack: Stack, hf_config, device: str, compile_blocks: bool, tokens:
         opt = prepare(model, lr, betas=betas, weight_decay=0.1, state_bits=stack.state_bits, **options)
         chosen = opt.plan
         info["plan"] = chosen.summary()
+        info["plan_options"] = chosen.options()
         info["estimated_peak_bytes"] = estimate_peak_bytes(model, model.get_submodule(chosen.blocks), chosen, tokens)
         info["budget"] = budget
         return model, opt, None, info

@@ -97,6 +97,13 @@ class Plan:
     def candidate(self) -> str:
         return f"{self.linears or 'unchanged'} linears, {self.activations_label}"
 
+    def options(self) -> dict:
+        """The ``plan()`` / ``prepare()`` keyword arguments that choose what this plan chose (no budget needed):
+        what ``lpoptim bench`` records beside the summary, so that a file's plan can be made again."""
+        return dict(blocks=self.blocks, linears=self.linears, activations=self.activations, compile=self.compile,
+                    step_in_backward=self.step_in_backward, chunked_loss=self.chunked_loss,
+                    state_bits=self.state_bits, min_quant_numel=self.min_quant_numel, group_size=self.group_size)
+
     @property
     def activations_label(self) -> str:
         if isinstance(self.activations, float):

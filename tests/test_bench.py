@@ -154,6 +154,7 @@ def test_bench_hf_config_cpu(tmp_path, capsys):
     assert rows["lpoptim+bf16+act+bwd+ce"]["grads_bytes"] == 0  # stepped inside backward
     assert rows["lpoptim+bf16+act+bwd+ce"]["states_bytes"] < 0.8 * rows["torch+bf16"]["states_bytes"]
     assert "lpoptim.prepare:" in rows["prepare+bf16"]["plan"] and rows["prepare+bf16"]["estimated_peak_bytes"] > 0
+    assert rows["prepare+bf16"]["plan_options"]["blocks"] == "model.layers"  # what makes the plan again
     assert "torch+bf16" in rows and "plan" not in rows["torch+bf16"]
     out = capsys.readouterr().out
     assert "HF LlamaForCausalLM: 2 layers" in out and (tmp_path / "out" / "bench.png").exists()

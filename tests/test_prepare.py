@@ -613,13 +613,34 @@ def test_estimates_stay_above_the_measured_peaks():
             model = AutoModelForCausalLM.from_config(load_hf_config(data["preset"]), dtype=torch.bfloat16)
         model.config.use_cache = False
         tokens = data["batch"] * data["seq"]
-        for r in rows:
-            p = plan(model, **_summary_options(r["plan"]))
+        for r in rows:  # files written before bench recorded plan_options carry the summary alone
+            p = plan(model, **(r.get("plan_options") or _summary_options(r["plan"])))
             est = estimate_peak_bytes(model, model.get_submodule(p.blocks), p, tokens)
             where = (os.path.basename(path), r["recipe"], est / 2**30, r["peak_bytes"] / 2**30)
             assert r["peak_bytes"] <= est <= r["peak_bytes"] + 2**30, where
             checked += 1
     assert checked >= 18, checked
+
+
+def test_plan_options_make_the_same_plan_again():
+    """Plan.options() (what lpoptim bench records as plan_options) gives plan() what makes the same choices, without
+    the budget that made them; prepare takes them as they are."""
+    import json
+
+    model = _tiny_llama(num_hidden_layers=4)
+    tokens = 1 << 20
+    est = list(plan(model, max_memory_gib=1e9, tokens=tokens, compile=False).estimate_gib.values())
+    for kw in (dict(max_memory_gib=(est[1] + est[2]) / 2, tokens=tokens, compile=False),  # a budget's choice
+               dict(linears="fp8_delayed", activations="recompute", compile=False, step_in_backward=False),
+               dict(state_bits=4, min_quant_numel=1024, group_size=64, chunked_loss=False, compile=False)):
+        first = plan(model, **kw)
+        options = json.loads(json.dumps(first.options()))  # as a bench file holds them
+        again = plan(model, **options)
+        fields = ("blocks", "linears", "activations", "compile", "step_in_backward", "chunked_loss", "state_bits",
+                  "min_quant_numel", "group_size")
+        assert [getattr(again, f) for f in fields] == [getattr(first, f) for f in fields], kw
+    opt = prepare(_tiny_llama(num_hidden_layers=4), lr=1e-3, **options)
+    assert opt.plan.options() == options and opt.param_groups[0]["state_bits"] == 4
 
 
 def test_budget_as_a_fraction_of_the_device(monkeypatch):
