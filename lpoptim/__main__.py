@@ -65,24 +65,23 @@ def positive_int(text: str) -> int:
     return n
 
 
-def fraction(text: str) -> float:
+def _number(text: str, ok, what: str) -> float:
+    """``text`` as a float that ``ok`` accepts; else argparse's error, saying ``what`` was expected."""
     try:
         x = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < x <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+        x = None
+    if x is None or not ok(x):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     return x
+
+
+def fraction(text: str) -> float:
+    return _number(text, lambda x: 0 < x <= 1, "a number in (0, 1]")
 
 
 def positive_float(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return x
+    return _number(text, lambda x: x > 0, "a positive number")
 
 
 def stack_list(text: str) -> list[Stack]:
