@@ -19,11 +19,11 @@ activations. Targets: 7B per-GPU peak <= 0.55x torch AdamW's, tokens/s >= 0.95x.
 Optimizer runs (--optimizers, lpoptim's recipe names): ``torch`` and ``lpoptim`` as above; ``+bf16`` shards bf16
 parameters instead of fp32 masters (no fp32 copy anywhere; gradients reduced in fp32, or with ``--bf16-reduce``
 in bf16, their own dtype; lpoptim rounds the update stochastically);
-``+act`` adds compress_activations on every block; ``+s4`` keeps lpoptim's moments in 4 bits (state_bits=4). ``prepare`` (``+bf16``: bf16 parameters) converts the
-blocks' linears to FP8 before sharding (on GPUs with FP8 tensor cores) and calls ``lpoptim.prepare`` after
-``fully_shard``: blocks compiled, the step in backward, the head and loss chunked. ``--compile`` compiles the blocks
-of the torch and lpoptim runs too. Each run is compared with the first of --optimizers that ran (``torch`` by
-default; a run out of memory is recorded as such).
+``+act`` adds compress_activations on every block; ``+s4`` keeps lpoptim's moments in 4 bits (state_bits=4).
+``prepare`` (``+bf16``: bf16 parameters) converts the blocks' linears to FP8 before sharding (on GPUs with FP8
+tensor cores) and calls ``lpoptim.prepare`` after ``fully_shard``: blocks compiled, the step in backward, the head
+and loss chunked. ``--compile`` compiles the blocks of the torch and lpoptim runs too. Each run is compared with the
+first of --optimizers that ran (``torch`` by default; a run out of memory is recorded as such).
 """
 from __future__ import annotations
 
@@ -232,7 +232,8 @@ def main(argv=None):
                     help="every model with this many blocks, its widths unchanged (e.g. llama70b on fewer GPUs)")
     ap.add_argument("--small", action="store_true", help="CPU smoke run: gloo, a tiny model, 64 tokens")
     ap.add_argument("--memory-cap-gib", type=positive_float, default=None,
-                    help="allow each process's CUDA allocator this many GiB (e.g. 79.1, an H100 80GB's, on H200s)")
+                    help="allow each process's CUDA allocator this many GiB (e.g. 79.1, below an H100 80GB's 79.6 "
+                         "GiB, on H200s)")
     ap.add_argument("--timeout-min", type=positive_int, default=5,
                     help="minutes a collective may wait before the run ends (a rank out of memory leaves the others "
                          "waiting); raise it where a first step compiles longer than that")

@@ -415,7 +415,8 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
     Every argument is checked, and the plan made, before the model is touched."""
     result = plan(model, blocks=blocks, linears=linears, activations=activations, compile=compile,
                   step_in_backward=step_in_backward, chunked_loss=chunked_loss, max_memory_gib=max_memory_gib,
-                  max_memory_fraction=max_memory_fraction, tokens=tokens, state_bits=optimizer_kwargs.get("state_bits", 8),
+                  max_memory_fraction=max_memory_fraction, tokens=tokens,
+                  state_bits=optimizer_kwargs.get("state_bits", 8),
                   min_quant_numel=optimizer_kwargs.get("min_quant_numel", 4096),
                   group_size=optimizer_kwargs.get("group_size", 128))
     if result.bf16_stochastic_round:

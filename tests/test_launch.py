@@ -73,6 +73,45 @@ def test_bound_launch_is_the_ordinary_launch():
                 assert bits.view(torch.float32).item() == reference_absmax(t.float()).item()
 
 
+def test_cache_keys_of_bound_and_unbound_launches(monkeypatch):
+    """The cached path's bookkeeping, on any machine (Triton's launch and the compiled kernel's stubbed): a bound
+    launcher and the unbound call with the same warps and constexprs share one entry; other warps, or an argument
+    of other alignment, take keys of their own; every launch after a key's first runs the cached kernel."""
+    from types import SimpleNamespace
+
+    def param(name, constexpr):
+        return SimpleNamespace(name=name, is_constexpr=constexpr, _param=SimpleNamespace(default=None))
+
+    # what the launcher reads of a jit kernel: its parameters, runtime ones first (the absmax kernel's signature)
+    kernel = SimpleNamespace(params=[*(param(n, False) for n in ("x", "out", "R", "C", "stride_r", "stride_c")),
+                                     param("BLOCK_R", True), param("BLOCK_C", True)])
+    firsts, runs = [], []
+
+    def first(self, key, grid, args, num_warps, constexprs):
+        firsts.append(key)
+        self.cache[key] = ("compiled", ())
+
+    monkeypatch.setattr(launch, "interpreted", lambda: False)
+    monkeypatch.setattr(launch, "_triton_path_needed", lambda kernel: False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(launch._Launcher, "_first", first)
+    monkeypatch.setattr(launch, "_run", lambda hit, grid, device, args: runs.append(hit))
+    run = launch._Launcher(kernel)
+    assert run.fast
+    x, bits = torch.zeros(32, 64), torch.zeros((), dtype=torch.int32)
+    args = (x, bits, 32, 64, 64, 1)
+    bound = run.bind(4, BLOCK_R=16, BLOCK_C=128)
+    for _ in range(2):
+        run((2,), *args, num_warps=4, BLOCK_R=16, BLOCK_C=128)
+        bound((2,), *args)
+    assert len(firsts) == 1 and len(runs) == 3
+    unaligned = torch.zeros(32 * 64 + 1)[1:].view(32, 64)  # 4 bytes in
+    for _ in range(2):
+        bound((2,), unaligned, *args[1:])
+    run.bind(8, BLOCK_R=16, BLOCK_C=128)((2,), *args)
+    assert len(firsts) == len(set(firsts)) == 3 and len(runs) == 4
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cached_launch_matches_ordinary_launch_on_gpu():

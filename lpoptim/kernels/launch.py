@@ -64,14 +64,23 @@ class _Launcher:
         self.cache: dict = {}
 
     def __call__(self, grid, *args, num_warps: int = 4, **constexprs):
+        return self._launch(grid, args, num_warps, constexprs, (num_warps, tuple(constexprs.items())))
+
+    def _launch(self, grid, args, num_warps: int, constexprs: dict, const_key: tuple, local: dict | None = None):
+        """The launch: the cached kernel for (device, ``const_key``, the arguments' spec), else Triton's own.
+        ``local``: a bound launcher's own cache by (device, spec), which spares hashing ``const_key``."""
         spec = _spec(args) if self.fast and not interpreted() and len(args) == self.n_runtime else None
         if spec is None or _triton_path_needed(self.kernel):
             return self.kernel[grid](*args, num_warps=num_warps, **constexprs)
         device = torch._C._cuda_getDevice()  # torch.cuda.current_device() without its Python checks
-        key = (device, num_warps, tuple(constexprs.items()), spec)
-        hit = self.cache.get(key)
+        hit = local.get((device, spec)) if local is not None else None
         if hit is None:
-            return self._first(key, grid, args, num_warps, constexprs)
+            key = (device, *const_key, spec)
+            hit = self.cache.get(key)
+            if hit is None:
+                return self._first(key, grid, args, num_warps, constexprs)
+            if local is not None:
+                local[(device, spec)] = hit
         return _run(hit, grid, device, args)
 
     def bind(self, num_warps: int = 4, **constexprs) -> "_Bound":
@@ -97,19 +106,7 @@ class _Bound:
         self.cache: dict = {}  # (device, spec) -> the launcher's cache entry
 
     def __call__(self, grid, *args):
-        L = self.launcher
-        spec = _spec(args) if L.fast and not interpreted() and len(args) == L.n_runtime else None
-        if spec is None or _triton_path_needed(L.kernel):
-            return L.kernel[grid](*args, num_warps=self.num_warps, **self.constexprs)
-        device = torch._C._cuda_getDevice()
-        hit = self.cache.get((device, spec))
-        if hit is None:
-            key = (device, *self.const_key, spec)
-            hit = L.cache.get(key)
-            if hit is None:
-                return L._first(key, grid, args, self.num_warps, self.constexprs)
-            self.cache[(device, spec)] = hit
-        return _run(hit, grid, device, args)
+        return self.launcher._launch(grid, args, self.num_warps, self.constexprs, self.const_key, self.cache)
 
 
 def _run(hit, grid, device: int, args):
