@@ -149,3 +149,45 @@ def test_no_fp32_copy_of_a_bf16_head_gradient():
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
     assert F.cosine_similarity(fw.float().flatten(), rw.float().flatten(), dim=0) > 0.999
     assert F.cosine_similarity(fh.float().flatten(), rh.float().flatten(), dim=0) > 0.999
+
+
+def test_backward_scales_the_head_gradient_in_place():
+    """Backward returns the forward's head gradient scaled in place (no second head-sized tensor at the step's
+    peak) and AccumulateGrad keeps that tensor as .grad; under retain_graph every backward gives the reference."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HeadSized(TorchDispatchMode):
+        def __init__(self, numel):
+            super().__init__()
+            self.numel, self.made = numel, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                    if isinstance(a, torch.Tensor)}
+            for o in (out if isinstance(out, (tuple, list)) else (out,)):
+                if (isinstance(o, torch.Tensor) and o.numel() == self.numel
+                        and o.untyped_storage().data_ptr() not in seen):  # new memory, not a view or alias
+                    self.made += 1
+            return out
+
+    g = torch.Generator().manual_seed(6)
+    for dtype in (torch.float32, torch.bfloat16):
+        h = torch.randn(16, 8, generator=g).to(dtype).requires_grad_()
+        w = torch.randn(12, 8, generator=g).to(dtype).requires_grad_()
+        t = torch.randint(0, 12, (16,), generator=g)
+        loss = linear_cross_entropy(h, w, t, chunk=5)
+        mode = HeadSized(w.numel())
+        with mode:
+            (loss * 3.0).backward()
+        assert mode.made == 0
+        wf = w.detach().float().requires_grad_()
+        (rw,) = torch.autograd.grad(_reference(h.detach().float(), wf, t) * 3.0, wf)
+        tol = dict(rtol=1e-4, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-3)
+        torch.testing.assert_close(w.grad.float(), rw, **tol)
+
+        w.grad = None
+        loss = linear_cross_entropy(h, w, t, chunk=5)
+        for k in range(3):  # a retained graph: each backward adds one reference gradient (scaled by 0.5 here)
+            (loss * 0.5).backward(retain_graph=True)
+            torch.testing.assert_close(w.grad.float(), rw / 6 * (k + 1), **tol)

@@ -111,6 +111,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         del grads, acc
         ctx.save_for_backward(grad_h, grad_w, count)
         ctx.shapes = (hidden.shape, weight.dtype)
+        ctx.applied = None  # the scale backward multiplied the saved head gradient by, in place
         return loss / count
 
     @staticmethod
@@ -122,8 +123,18 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         gw = None
         if grad_w is not None and torch.is_grad_enabled() and grad_loss.requires_grad:  # a double backward
             gw = (grad_w * scale).to(weight_dtype)
-        elif grad_w is not None and grad_w.dtype == weight_dtype:  # not in place: backward may run again
-            gw = grad_w * scale.to(grad_w.dtype)
+        elif grad_w is not None and grad_w.dtype == weight_dtype:
+            # scaled in place: a second copy of the head's gradient would sit at the step's peak (backward's
+            # start, every activation saved). Autograd releases the saved tensor after this call unless the graph
+            # is retained, so AccumulateGrad takes this very tensor; under retain_graph it copies what the graph
+            # still holds, whose next backward scales from the first one's result (ctx.applied). Through .data:
+            # the saved tensor's version stays, so that next backward may unpack it
+            s = scale.to(grad_w.dtype)
+            if ctx.applied is None:
+                grad_w.data.mul_(s)
+                gw, ctx.applied = grad_w, s
+            else:
+                gw = grad_w / ctx.applied * s
         elif grad_w is not None:  # written in the weight's dtype: no fp32 temporary of the head's size
             gw = torch.mul(grad_w, scale, out=torch.empty(grad_w.shape, dtype=weight_dtype, device=grad_w.device))
         return gh, gw, None, None, None
