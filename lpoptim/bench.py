@@ -59,12 +59,12 @@ def unavailable(stack: Stack, device: str, compile_blocks: bool = False, hf: boo
         return "+ckpt is the HF model's own gradient checkpointing: it needs --hf-config"
     if stack.optimizer == "prepare" and not hf:
         return "prepare is lpoptim.prepare on a Hugging Face model: it needs --hf-config"
-    if stack.cuda_graphs and hf:
-        return "+cg is not offered with --hf-config"
     if stack.activation_budget is not None and not compile_blocks:
         return "+sacNN is a budget for Inductor's partitioner: it needs --compile"
     if stack.cuda_graphs and not (compile_blocks and device == "cuda"):
         return "+cg replays the compiled blocks as CUDA graphs: it needs --compile and CUDA"
+    if stack.cuda_graphs and hf and stack.compress:
+        return "+cg with +act or +rec: lpoptim.prepare's FP8-activation wrapper is not captured in CUDA graphs"
     if stack.optimizer == "bnb":
         try:
             import bitsandbytes  # noqa: F401
@@ -218,13 +218,15 @@ def build_hf(stack: Stack, hf_config, device: str, compile_blocks: bool, tokens:
     if stack.optimizer in ("lpoptim", "prepare"):
         if stack.optimizer == "prepare":
             options = dict(budget, tokens=tokens) if budget else {}
+            options["cuda_graphs"] = stack.cuda_graphs
         else:
             options = dict(linears=stack.linears, compile=compile_blocks, step_in_backward=stack.in_backward,
                            chunked_loss=stack.chunked_loss,
                            activations="recompute" if stack.recompute else
                            ("fp8_attention" if stack.attention else "fp8") if stack.compress else
                            # +sac100 keeps every activation: Inductor's default, no budget for prepare (in (0, 1))
-                           stack.activation_budget if stack.activation_budget != 1 else None)
+                           stack.activation_budget if stack.activation_budget != 1 else None,
+                           cuda_graphs=stack.cuda_graphs)
         opt = prepare(model, lr, betas=betas, weight_decay=0.1, state_bits=stack.state_bits, **options)
         chosen = opt.plan
         info["plan"] = chosen.summary()
@@ -241,7 +243,7 @@ def build_hf(stack: Stack, hf_config, device: str, compile_blocks: bool, tokens:
             convert_linears(block, stack.linears)
     if compile_blocks:
         for block in find_blocks(model)[1]:
-            block.compile()
+            block.compile(mode="reduce-overhead" if stack.cuda_graphs else None)
     params = [p for p in model.parameters() if p.requires_grad]
     if stack.optimizer == "torch":
         opt = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=0.1, fused=device == "cuda")

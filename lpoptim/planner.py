@@ -26,6 +26,11 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
 - ``compile``: each block compiled in place (``block.compile()``; with FP8 activations or recompute, the block's
   forward, which their wrapper calls: parameter names and state_dict unchanged).
   Auto: on CUDA.
+- ``cuda_graphs``: the compiled blocks replayed as CUDA graphs (``torch.compile``'s mode "reduce-overhead"): the
+  host launches a block's kernels in one call instead of one by one. Off unless asked: a block's outputs are
+  overwritten by its next call (torch raises where a kept one is read afterwards), each new input shape records
+  a graph of its own, and the graphs' memory is a pool of their own. Needs compiled blocks on one CUDA device
+  (not FSDP2) and activations None or an Inductor budget (the FP8-activation wrapper is not captured).
 - ``step_in_backward``: each parameter updated during backward and its gradient freed at once, so the whole
   set of gradients never exists. ``opt.step()`` and ``opt.zero_grad()`` stay in the loop (they find nothing left
   to do); a loop that needs every gradient at once cannot have it: a second backward before ``opt.step()``
@@ -86,6 +91,7 @@ class Plan:
     bf16_stochastic_round: bool
     use_cache_off: bool
     state_bits: int = 8  # the optimizer's (an optimizer argument; the estimate counts its states)
+    cuda_graphs: bool = False  # the compiled blocks as CUDA graphs (mode "reduce-overhead")
     min_quant_numel: int = 4096  # the optimizer's too
     group_size: int = 128
     hf_checkpointing: bool = False  # the model's own gradient checkpointing is on (the estimate counts it)
@@ -101,7 +107,7 @@ class Plan:
         """The ``plan()`` / ``prepare()`` keyword arguments that choose what this plan chose (no budget needed):
         what ``lpoptim bench`` records beside the summary, so that a file's plan can be made again."""
         return dict(blocks=self.blocks, linears=self.linears, activations=self.activations, compile=self.compile,
-                    step_in_backward=self.step_in_backward, chunked_loss=self.chunked_loss,
+                    cuda_graphs=self.cuda_graphs, step_in_backward=self.step_in_backward, chunked_loss=self.chunked_loss,
                     state_bits=self.state_bits, min_quant_numel=self.min_quant_numel, group_size=self.group_size)
 
     @property
@@ -115,7 +121,8 @@ class Plan:
     def summary(self) -> str:
         rows = [("blocks", f"{self.blocks} ({self.n_blocks} x {self.block_class})"),
                 ("linears", self.linears or "unchanged"), ("activations", self.activations_label),
-                ("compile", "each block" if self.compile else "no"),
+                ("compile", ("each block, as CUDA graphs" if self.cuda_graphs else "each block") if self.compile
+                 else "no"),
                 ("step_in_backward", "yes" if self.step_in_backward else "no"),
                 ("chunked_loss", "yes" if self.chunked_loss else "no"),
                 ("bf16_stochastic_round", "yes" if self.bf16_stochastic_round else "no"),
@@ -272,8 +279,24 @@ def device_memory_gib(device: torch.device) -> float:
     return torch.cuda.get_device_properties(device).total_memory * cap / 2**30
 
 
-def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compile=AUTO, step_in_backward=AUTO,
-         chunked_loss=AUTO, max_memory_gib: float | None = None, max_memory_fraction: float | None = None,
+def _check_cuda_graphs(compile, cuda: bool, activations, params) -> None:
+    """cuda_graphs=True's conditions, checked before anything changes (plan's docstring says why)."""
+    if not compile:
+        raise ValueError("lpoptim.prepare: cuda_graphs=True replays the compiled blocks: it needs compile=True")
+    if activations in ACTIVATIONS[1:]:
+        raise ValueError(f"lpoptim.prepare: cuda_graphs=True with activations={activations!r}: the FP8-activation "
+                         "wrapper is not captured; pass activations=None or an Inductor budget")
+    if not cuda:
+        raise ValueError("lpoptim.prepare: cuda_graphs=True needs the model on CUDA")
+    from .optim.distributed import is_dtensor
+
+    if any(is_dtensor(p) for p in params):
+        raise ValueError("lpoptim.prepare: cuda_graphs=True on an FSDP2 model: its all-gathers run outside the "
+                         "blocks' graphs; pass cuda_graphs=False")
+
+
+def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compile=AUTO, cuda_graphs=False,
+         step_in_backward=AUTO, chunked_loss=AUTO, max_memory_gib: float | None = None, max_memory_fraction: float | None = None,
          tokens: int | None = None,
          state_bits: int = 8, min_quant_numel: int = 4096, group_size: int = 128) -> Plan:
     """What ``prepare`` would do to ``model`` with these options, and why; changes nothing."""
@@ -287,6 +310,8 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
         _check_choice("activations", activations, (*ACTIVATIONS, False))
     for name, value in (("compile", compile), ("step_in_backward", step_in_backward), ("chunked_loss", chunked_loss)):
         _check_choice(name, value, (True, False))
+    if not isinstance(cuda_graphs, bool):
+        raise ValueError(f"lpoptim.prepare: cuda_graphs is True or False, got {cuda_graphs!r}")
     if max_memory_fraction is not None:
         if max_memory_gib is not None:
             raise ValueError("lpoptim.prepare: a budget is max_memory_gib or max_memory_fraction, not both")
@@ -320,6 +345,8 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
         reasons["compile"] = "CUDA" if cuda else "not on CUDA"
     if budget and not compile:
         raise ValueError(f"lpoptim.prepare: activations={activations} is a budget for Inductor: it needs compile=True")
+    if cuda_graphs:
+        _check_cuda_graphs(compile, cuda, activations, params)
     if linears == AUTO:
         if compile and fp8_cores:
             linears, reasons["linears"] = DEFAULT_RECIPE, "compiled blocks on FP8 tensor cores"
@@ -363,6 +390,8 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     if activations == AUTO:
         # fastest first: as saved, FP8, FP8 with attention's, Inductor's budgets (compiled), recompute
         activation_choices = [*ACTIVATIONS[:-1], *(AUTO_BUDGETS if compile else ()), ACTIVATIONS[-1]]
+        if cuda_graphs:  # the wrapper's candidates are not captured: as saved, then Inductor's budgets
+            activation_choices = [None, *AUTO_BUDGETS]
     else:
         activation_choices = [activations or None]
 
@@ -370,7 +399,8 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     use_cache_off = bool(getattr(config, "use_cache", False))
     bf16 = any(p.dtype == torch.bfloat16 for p in params)
     result = Plan(blocks=name, n_blocks=len(stack), linears=linears, activations=activation_choices[0],
-                  compile=bool(compile), step_in_backward=bool(step_in_backward), chunked_loss=bool(chunked_loss),
+                  compile=bool(compile), cuda_graphs=cuda_graphs, step_in_backward=bool(step_in_backward),
+                  chunked_loss=bool(chunked_loss),
                   bf16_stochastic_round=bf16, use_cache_off=use_cache_off, state_bits=state_bits,
                   min_quant_numel=min_quant_numel, group_size=group_size, hf_checkpointing=_hf_checkpointing(hf),
                   reasons=reasons, model=model)
@@ -407,14 +437,14 @@ class _CompileOnRemove:
 
 
 def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, linears=AUTO, activations=AUTO,
-            compile=AUTO, step_in_backward=AUTO, chunked_loss=AUTO, max_memory_gib: float | None = None,
+            compile=AUTO, cuda_graphs: bool = False, step_in_backward=AUTO, chunked_loss=AUTO, max_memory_gib: float | None = None,
             max_memory_fraction: float | None = None, tokens: int | None = None, verbose: bool = False,
             **optimizer_kwargs) -> AdamW:
     """Apply what pays to ``model`` (in place) and return its lpoptim.AdamW; the module docstring says what.
 
     Every argument is checked, and the plan made, before the model is touched."""
     result = plan(model, blocks=blocks, linears=linears, activations=activations, compile=compile,
-                  step_in_backward=step_in_backward, chunked_loss=chunked_loss, max_memory_gib=max_memory_gib,
+                  cuda_graphs=cuda_graphs, step_in_backward=step_in_backward, chunked_loss=chunked_loss, max_memory_gib=max_memory_gib,
                   max_memory_fraction=max_memory_fraction, tokens=tokens,
                   state_bits=optimizer_kwargs.get("state_bits", 8),
                   min_quant_numel=optimizer_kwargs.get("min_quant_numel", 4096),
@@ -439,7 +469,7 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
             result.handles.append(_CompileOnRemove(stack))  # the blocks stay compiled without the wrapper
     elif result.compile:
         for block in stack:
-            block.compile()
+            block.compile(mode="reduce-overhead" if result.cuda_graphs else None)
             if isinstance(result.activations, float):
                 block._compiled_call_impl = _WithActivationBudget(block._compiled_call_impl, result.activations)
     if result.chunked_loss:

@@ -152,8 +152,8 @@ def parse_stack(name: str) -> Stack:
             raise bad(f"unknown part {p!r}")
     if kw.get("in_backward") and optimizer != "lpoptim":
         raise bad("bwd (step_in_backward) needs the lpoptim optimizer")
-    if optimizer == "prepare" and set(parts) - {"bf16", "s4"}:
-        raise bad("prepare makes its own choices: it takes +bf16 and +s4 only")
+    if optimizer == "prepare" and set(parts) - {"bf16", "s4", "cg"}:
+        raise bad("prepare makes its own choices: it takes +bf16, +s4 and +cg only")
     if kw.get("state_bits") == 4 and optimizer not in ("lpoptim", "prepare"):
         raise bad("s4 (4-bit states) needs the lpoptim optimizer")
     if kw.get("attention") and (not kw.get("compress") or kw.get("recompute")):
