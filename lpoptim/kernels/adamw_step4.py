@@ -6,8 +6,11 @@ The batch tables, launch settings and the update are adamw_step.py's (that modul
 its two nibbles (element 2i low, 2i + 1 high: tl.join then a reshape), and packs them back the same way. The
 codec is integer rounding onto 0..7 (m, with a sign) or 1..16 (v): f = |x| · top/c with top/c one correctly
 rounded division per group (div_rn, as the reference's float64 quotient), rounded to nearest even by the 1.5·2^23
-trick (v: floor(f + u), u from the hash), so kernel and reference agree exactly given the same fp32 moment; the
-decode is (q · fp32(1/7)) · c or j · (c/16), in the reference's order. The update arithmetic is adamw_step.py's,
+trick (v: floor(f + u), u from the hash, and the bound's ceil: one add toward zero or +inf at 2^23 on the GPU),
+so kernel and reference agree exactly given the same fp32 moment. Each code is the low bits of such a sum, not
+a float-to-int conversion (those, and floor and ceil, issue at a quarter of an add's rate; the kernel is bound
+by issue with bf16 parameters), and m's signed nibbles are read by shifts. The decode is (q · fp32(1/7)) · c or
+j · (c/16), in the reference's order. The update arithmetic is adamw_step.py's,
 so fp32 moments may differ from the reference's by an ulp, which can move a code on a rounding tie-break.
 Each group's ratio bound (quant.quantize_state4_moments) is applied at encode, from the fresh fp32 moments: r2 =
 the group's largest (m·m)·rcp(v) (an integer maximum on the bits, the values being >= +0), one division per group
@@ -24,7 +27,8 @@ import triton.language as tl
 from ..optim.stochastic_round import V_NOISE_SALT
 from ..quant import FP32_MIN_NORMAL, M4_INV, M4_NAN, M4_TOP, RATIO_SLACK, V4_TOP
 from .adamw_step import _address, _program_tensor, _step_scalars, _tile
-from .grid import fast_rcp, finite_abs, hash32, round_bf16_stochastic, round_half_even, store_as
+from .grid import (RNE_MAGIC, TWO_23, ceil_nonneg, fast_rcp, finite_abs, floor_nonneg, hash32,
+                   round_bf16_stochastic, round_half_even, store_as, with_sign_of)
 
 M4_TOP_C = tl.constexpr(M4_TOP)
 V4_TOP_C = tl.constexpr(V4_TOP)
@@ -36,10 +40,15 @@ RATIO_SLACK_C = tl.constexpr(RATIO_SLACK)
 
 
 @triton.jit
-def _unpack(codes_ptr, boffs, bmask, BLOCK_G: tl.constexpr, G: tl.constexpr):
-    """[BLOCK_G, G/2] bytes -> [BLOCK_G, G] int32 nibbles, element 2i the low nibble of byte i."""
+def _unpack(codes_ptr, boffs, bmask, SIGNED: tl.constexpr, BLOCK_G: tl.constexpr, G: tl.constexpr):
+    """[BLOCK_G, G/2] bytes -> [BLOCK_G, G] int32 nibbles, element 2i the low nibble of byte i; SIGNED: as the
+    int4 they hold (-8..7), by two shifts each (the arithmetic one extends the sign), not compare-and-select."""
     b = tl.load(codes_ptr + boffs, mask=bmask, other=0).to(tl.int32)
-    return tl.reshape(tl.join(b & 15, b >> 4), (BLOCK_G, G))
+    if SIGNED:
+        lo, hi = (b << 28) >> 28, (b << 24) >> 28
+    else:
+        lo, hi = b & 15, b >> 4
+    return tl.reshape(tl.join(lo, hi), (BLOCK_G, G))
 
 
 @triton.jit
@@ -50,26 +59,30 @@ def _pack_store(nib, codes_ptr, boffs, bmask, BLOCK_G: tl.constexpr, G: tl.const
 
 @triton.jit
 def _decode4(codes_ptr, scale_ptr, boffs, bmask, mask, gid, gmask, SECOND: tl.constexpr, BLOCK_G: tl.constexpr,
-             G: tl.constexpr):
-    """quant.decode4_groups of a tile; masked-out lanes are 0."""
-    nib = _unpack(codes_ptr, boffs, bmask, BLOCK_G, G)
+             G: tl.constexpr, EVEN_ROWS: tl.constexpr):
+    """quant.decode4_groups of a tile; masked-out lanes are 0 (whole groups masked out read scale 0 and codes 0,
+    which decode to 0: only an odd row's padding nibble needs the mask)."""
+    nib = _unpack(codes_ptr, boffs, bmask, not SECOND, BLOCK_G, G)
     c = tl.load(scale_ptr + gid, mask=gmask, other=0.0)
     if SECOND:
         y = (nib + 1).to(tl.float32) * (c * (1.0 / V4_TOP_C))
     else:
-        q = tl.where(nib >= 8, nib - 16, nib).to(tl.float32)
-        y = (q * M4_INV_C) * c
-        y = tl.where(nib == M4_NAN_C, float("nan"), y)
-    return tl.where(mask, y, 0.0)
+        y = (nib.to(tl.float32) * M4_INV_C) * c
+        y = tl.where(nib == M4_NAN_C - 16, float("nan"), y)  # NaN's code, read as an int4
+    if not EVEN_ROWS:
+        y = tl.where(mask, y, 0.0)
+    return y
 
 
 @triton.jit
 def _encode4(x, codes_ptr, scale_ptr, boffs, bmask, mask, gid, gmask, noise, q2, a, r2, SECOND: tl.constexpr,
-             BLOCK_G: tl.constexpr, G: tl.constexpr, SR: tl.constexpr, BOUND: tl.constexpr):
+             BLOCK_G: tl.constexpr, G: tl.constexpr, SR: tl.constexpr, BOUND: tl.constexpr,
+             EVEN_ROWS: tl.constexpr, ON_GPU: tl.constexpr):
     """quant.encode4_groups of a tile (masked-out lanes hold 0) and the store of its codes and scales; SR: rounded
     as floor(f + noise). BOUND (v): the code raised to ceil(q2 · u), u from m's a = fp32(1/7) · its scale and the
     group's r2 ([BLOCK_G, 1]; quant.encode4_v_floor), capped at 16 (fmax / fmin: a NaN product raises nothing).
-    Returns the rounded magnitudes q before the sign (m: 0..7, 7 where x is NaN) and the scales."""
+    Returns m's q² (q its rounded magnitude, 0..7; 7 where x is NaN) and the scales. The integers come out of
+    fp32 adds at 2^23 (the nibble is the sum's low bits), not conversions, which run at a quarter of their rate."""
     finite = finite_abs(x)
     amax = tl.max(finite.to(tl.int32, bitcast=True), axis=1, keep_dims=True).to(tl.float32, bitcast=True)
     c = tl.where(amax >= MIN_NORMAL_C, amax, 0.0)
@@ -79,25 +92,31 @@ def _encode4(x, codes_ptr, scale_ptr, boffs, bmask, mask, gid, gmask, noise, q2,
     else:
         top = M4_TOP_C
     inv = tl.where(c > 0, tl.div_rn(top + tl.zeros_like(c), tl.where(c > 0, c, 1.0)), 0.0)  # once per group
-    f = tl.abs(x) * inv
-    if SR:  # min first: f + noise then floors onto at most the top, as the reference's clamp
-        q = tl.floor(tl.minimum(f, top) + noise)
-    else:
-        q = round_half_even(tl.minimum(f, top))  # min first: the trick needs |f| < 2^22 (inf: the top)
+    f = tl.minimum(tl.abs(x) * inv, top)  # min first: the rounding below needs f < 2^22 (inf, NaN: the top)
     if SECOND:
+        if SR:  # f + noise floors onto at most the top, as the reference's clamp
+            j = floor_nonneg(f + noise, ON_GPU)
+        else:
+            j = round_half_even(f)
         if BOUND:  # once per group: u; per element a multiply, a ceil, a max and the cap
             w = ((a * inv) * a) * RATIO_SLACK_C
             u = tl.where(r2 > 0, tl.div_rn(w, tl.where(r2 > 0, r2, 1.0)), 0.0)
-            q = tl.minimum(tl.maximum(q, tl.ceil(q2 * u)), top)
-        nib = tl.maximum(q, 1.0).to(tl.int32) - 1
+            j = tl.minimum(tl.maximum(j, ceil_nonneg(q2 * u, ON_GPU)), top)
+        # j - 1 in the low bits: j + (2^23 - 1) is exact for j in 1..16
+        nib = (tl.maximum(j, 1.0) + (TWO_23 - 1.0)).to(tl.int32, bitcast=True) & 15
         nib = tl.where(x != x, 15, nib)
+        q2_out = q2
     else:
-        qi = q.to(tl.int32)
-        nib = tl.where(x < 0, (-qi) & 15, qi)
+        # round(f) with x's sign, ties to even: its two's complement nibble is the sum's low four bits
+        r = with_sign_of(f, x) + RNE_MAGIC
+        nib = r.to(tl.int32, bitcast=True) & 15
+        q = r - RNE_MAGIC
+        q2_out = q * q
         nib = tl.where(x != x, M4_NAN_C, nib)
-    nib = tl.where(mask, nib, 0)  # an odd row's last high nibble, and lanes past the tensor: 0
+    if not EVEN_ROWS:
+        nib = tl.where(mask, nib, 0)  # an odd row's last high nibble, and lanes past the tensor: 0
     _pack_store(nib, codes_ptr, boffs, bmask, BLOCK_G, G)
-    return q, c
+    return q2_out, c
 
 
 @triton.jit
@@ -163,14 +182,14 @@ def adamw4_kernel(
         if MAXIMIZE:
             g = -g
 
-        m = _decode4(m_ptr, ms_ptr, boffs, bmask, mask, gid, gmask, False, BLOCK_G, G)
-        v = _decode4(v_ptr, vs_ptr, boffs, bmask, mask, gid, gmask, True, BLOCK_G, G)
+        m = _decode4(m_ptr, ms_ptr, boffs, bmask, mask, gid, gmask, False, BLOCK_G, G, EVEN_ROWS)
+        v = _decode4(v_ptr, vs_ptr, boffs, bmask, mask, gid, gmask, True, BLOCK_G, G, EVEN_ROWS)
         v = tl.maximum(v, m * m * inv_bound)  # Adam's own bound at decode
         m = m + one_minus_beta1 * (g - m)
         v = v * beta2 + one_minus_beta2 * g * g
         sqrt_v_used = tl.sqrt(v)
         if AMSGRAD:
-            v_max = _decode4(vm_ptr, vms_ptr, boffs, bmask, mask, gid, gmask, True, BLOCK_G, G)
+            v_max = _decode4(vm_ptr, vms_ptr, boffs, bmask, mask, gid, gmask, True, BLOCK_G, G, EVEN_ROWS)
             v_max = tl.maximum(v_max, v)
             sqrt_v_used = tl.sqrt(v_max)
         denom = sqrt_v_used * inv_bc2_sqrt + eps
@@ -180,13 +199,13 @@ def adamw4_kernel(
         store_as(p_ptr + offs, p, mask, PARAM_DTYPE, ON_GPU)
 
         r2 = _ratio_bound(m, v, ON_GPU)  # from the exact moments, before they are rounded
-        q_m, c_m = _encode4(m, m_ptr, ms_ptr, boffs, bmask, mask, gid, gmask, 0.0, 0.0, 0.0, 0.0, False, BLOCK_G, G,
-                            False, False)
+        q2_m, c_m = _encode4(m, m_ptr, ms_ptr, boffs, bmask, mask, gid, gmask, 0.0, 0.0, 0.0, 0.0, False, BLOCK_G,
+                             G, False, False, EVEN_ROWS, ON_GPU)
         # v rounded stochastically: uniforms from the top 24 bits of hash32(index ^ key_v)
         # (stochastic_round.uniform_noise), its code then raised to the group's ratio bound
         noise = (hash32((offs.to(tl.uint32) + index_offset) ^ key_v) >> 8).to(tl.float32) * 5.960464477539063e-08
-        _encode4(v, v_ptr, vs_ptr, boffs, bmask, mask, gid, gmask, noise, q_m * q_m, M4_INV_C * c_m, r2, True,
-                 BLOCK_G, G, True, True)
+        _encode4(v, v_ptr, vs_ptr, boffs, bmask, mask, gid, gmask, noise, q2_m, M4_INV_C * c_m, r2, True,
+                 BLOCK_G, G, True, True, EVEN_ROWS, ON_GPU)
         if AMSGRAD:  # the running maximum: to nearest
             _encode4(v_max, vm_ptr, vms_ptr, boffs, bmask, mask, gid, gmask, 0.0, 0.0, 0.0, 0.0, True, BLOCK_G, G,
-                     False, False)
+                     False, False, EVEN_ROWS, ON_GPU)
