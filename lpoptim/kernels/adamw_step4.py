@@ -27,8 +27,8 @@ import triton.language as tl
 from ..optim.stochastic_round import V_NOISE_SALT
 from ..quant import FP32_MIN_NORMAL, M4_INV, M4_NAN, M4_TOP, RATIO_SLACK, V4_TOP
 from .adamw_step import _address, _program_tensor, _step_scalars, _tile
-from .grid import (RNE_MAGIC, TWO_23, ceil_nonneg, fast_rcp, finite_abs, floor_nonneg, hash32,
-                   round_bf16_stochastic, round_half_even, store_as, with_sign_of)
+from .grid import (RNE_MAGIC, TWO_23, fast_rcp, finite_abs, hash32, integer_nonneg, round_bf16_stochastic,
+                   round_half_even, store_as, with_sign_of)
 
 M4_TOP_C = tl.constexpr(M4_TOP)
 V4_TOP_C = tl.constexpr(V4_TOP)
@@ -95,13 +95,13 @@ def _encode4(x, codes_ptr, scale_ptr, boffs, bmask, mask, gid, gmask, noise, q2,
     f = tl.minimum(tl.abs(x) * inv, top)  # min first: the rounding below needs f < 2^22 (inf, NaN: the top)
     if SECOND:
         if SR:  # f + noise floors onto at most the top, as the reference's clamp
-            j = floor_nonneg(f + noise, ON_GPU)
+            j = integer_nonneg(f + noise, False, ON_GPU)
         else:
             j = round_half_even(f)
         if BOUND:  # once per group: u; per element a multiply, a ceil, a max and the cap
             w = ((a * inv) * a) * RATIO_SLACK_C
             u = tl.where(r2 > 0, tl.div_rn(w, tl.where(r2 > 0, r2, 1.0)), 0.0)
-            j = tl.minimum(tl.maximum(j, ceil_nonneg(q2 * u, ON_GPU)), top)
+            j = tl.minimum(tl.maximum(j, integer_nonneg(q2 * u, True, ON_GPU)), top)
         # j - 1 in the low bits: j + (2^23 - 1) is exact for j in 1..16
         nib = (tl.maximum(j, 1.0) + (TWO_23 - 1.0)).to(tl.int32, bitcast=True) & 15
         nib = tl.where(x != x, 15, nib)

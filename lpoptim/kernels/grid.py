@@ -178,24 +178,22 @@ TWO_23 = tl.constexpr(8388608.0)  # 2**23: at and above it, fp32 values are the 
 
 
 @triton.jit
-def floor_nonneg(z, ON_GPU: tl.constexpr):
-    """floor(z) for 0 <= z < 2**23 (NaN stays NaN): on the GPU one add rounded toward zero onto the integers at
-    2**23 and one exact subtract, full-rate adds where floor is a conversion (FRND) at a quarter of their rate."""
+def integer_nonneg(z, UP: tl.constexpr, ON_GPU: tl.constexpr):
+    """floor(z), or ceil(z) where UP, for 0 <= z < 2**23 (NaN stays NaN; with UP, a larger z gives a value at
+    least z, inf stays): on the GPU one add rounded toward zero (or +inf) onto the integers at 2**23 and one exact
+    subtract, full-rate adds where floor and ceil are conversions (FRND) at a quarter of their rate."""
     if ON_GPU:
-        return tl.inline_asm_elementwise("add.rz.f32 $0, $1, 0f4B000000;", "=f,f", [z], dtype=tl.float32,
-                                         is_pure=True, pack=1) - TWO_23
+        if UP:
+            r = tl.inline_asm_elementwise("add.rp.f32 $0, $1, 0f4B000000;", "=f,f", [z], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+        else:
+            r = tl.inline_asm_elementwise("add.rz.f32 $0, $1, 0f4B000000;", "=f,f", [z], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+        return r - TWO_23
+    elif UP:
+        return tl.ceil(z)
     else:
         return tl.floor(z)
-
-
-@triton.jit
-def ceil_nonneg(z, ON_GPU: tl.constexpr):
-    """ceil(z) for 0 <= z < 2**23, as floor_nonneg rounding up (larger z: a value at least z; inf and NaN stay)."""
-    if ON_GPU:
-        return tl.inline_asm_elementwise("add.rp.f32 $0, $1, 0f4B000000;", "=f,f", [z], dtype=tl.float32,
-                                         is_pure=True, pack=1) - TWO_23
-    else:
-        return tl.ceil(z)
 
 
 @triton.jit
