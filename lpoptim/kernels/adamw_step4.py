@@ -27,7 +27,7 @@ import triton.language as tl
 from ..optim.stochastic_round import V_NOISE_SALT
 from ..quant import FP32_MIN_NORMAL, M4_INV, M4_NAN, M4_TOP, RATIO_SLACK, V4_TOP
 from .adamw_step import _address, _program_tensor, _step_scalars, _tile
-from .grid import (RNE_MAGIC, TWO_23, fast_rcp, finite_abs, hash32, integer_nonneg, round_bf16_stochastic,
+from .grid import (RNE_MAGIC, TWO_23, fast_rcp, finite_abs, hash32, integer_at_2_23, round_bf16_stochastic,
                    round_half_even, store_as, with_sign_of)
 
 M4_TOP_C = tl.constexpr(M4_TOP)
@@ -93,17 +93,16 @@ def _encode4(x, codes_ptr, scale_ptr, boffs, bmask, mask, gid, gmask, noise, q2,
         top = M4_TOP_C
     inv = tl.where(c > 0, tl.div_rn(top + tl.zeros_like(c), tl.where(c > 0, c, 1.0)), 0.0)  # once per group
     f = tl.minimum(tl.abs(x) * inv, top)  # min first: the rounding below needs f < 2^22 (inf, NaN: the top)
-    if SECOND:
+    if SECOND:  # j held as 2^23 + j, whose low bits are j: max and min order them as j
         if SR:  # f + noise floors onto at most the top, as the reference's clamp
-            j = integer_nonneg(f + noise, False, ON_GPU)
+            j = integer_at_2_23(f + noise, False, ON_GPU)
         else:
-            j = round_half_even(f)
+            j = round_half_even(f) + TWO_23
         if BOUND:  # once per group: u; per element a multiply, a ceil, a max and the cap
             w = ((a * inv) * a) * RATIO_SLACK_C
             u = tl.where(r2 > 0, tl.div_rn(w, tl.where(r2 > 0, r2, 1.0)), 0.0)
-            j = tl.minimum(tl.maximum(j, integer_nonneg(q2 * u, True, ON_GPU)), top)
-        # j - 1 in the low bits: j + (2^23 - 1) is exact for j in 1..16
-        nib = (tl.maximum(j, 1.0) + (TWO_23 - 1.0)).to(tl.int32, bitcast=True) & 15
+            j = tl.minimum(tl.maximum(j, integer_at_2_23(q2 * u, True, ON_GPU)), TWO_23 + top)
+        nib = (tl.maximum(j, TWO_23 + 1.0).to(tl.int32, bitcast=True) - 1) & 15  # j - 1, for j in 1..16
         nib = tl.where(x != x, 15, nib)
         q2_out = q2
     else:
@@ -124,7 +123,12 @@ def _ratio_bound(m, v, ON_GPU: tl.constexpr):
     """quant.state4_ratio_bound of the tile's fresh fp32 moments ([BLOCK_G, 1]): each group's largest (m·m)·(1/v),
     NaN left out (m = v = 0, masked-out lanes included, gives NaN: 0)."""
     e = (m * m) * fast_rcp(v, ON_GPU)
-    e = tl.where(e == e, e, 0.0)  # >= +0 (v >= +0): its bits order as its values, an integer maximum (as amax)
+    # >= +0 (v >= +0): its bits order as its values, an integer maximum (as amax). NaN to 0: on the GPU the
+    # maximum with 0 drops it (one instruction, not a compare and a select)
+    if ON_GPU:
+        e = tl.maximum(e, 0.0)
+    else:
+        e = tl.where(e == e, e, 0.0)
     return tl.max(e.to(tl.int32, bitcast=True), axis=1, keep_dims=True).to(tl.float32, bitcast=True)
 
 

@@ -178,22 +178,22 @@ TWO_23 = tl.constexpr(8388608.0)  # 2**23: at and above it, fp32 values are the 
 
 
 @triton.jit
-def integer_nonneg(z, UP: tl.constexpr, ON_GPU: tl.constexpr):
-    """floor(z), or ceil(z) where UP, for 0 <= z < 2**23 (NaN stays NaN; with UP, a larger z gives a value at
-    least z, inf stays): on the GPU one add rounded toward zero (or +inf) onto the integers at 2**23 and one exact
-    subtract, full-rate adds where floor and ceil are conversions (FRND) at a quarter of their rate."""
+def integer_at_2_23(z, UP: tl.constexpr, ON_GPU: tl.constexpr):
+    """2**23 + floor(z), or + ceil(z) where UP, for 0 <= z < 2**23: an fp32 whose low bits are that integer (NaN
+    stays NaN; with UP, a larger z gives a value at least 2**23 + z, inf stays). On the GPU one add rounded toward
+    zero (or +inf) onto the integers at 2**23, a full-rate add where floor and ceil are conversions (FRND) at a
+    quarter of its rate."""
     if ON_GPU:
         if UP:
-            r = tl.inline_asm_elementwise("add.rp.f32 $0, $1, 0f4B000000;", "=f,f", [z], dtype=tl.float32,
-                                          is_pure=True, pack=1)
+            return tl.inline_asm_elementwise("add.rp.f32 $0, $1, 0f4B000000;", "=f,f", [z], dtype=tl.float32,
+                                             is_pure=True, pack=1)
         else:
-            r = tl.inline_asm_elementwise("add.rz.f32 $0, $1, 0f4B000000;", "=f,f", [z], dtype=tl.float32,
-                                          is_pure=True, pack=1)
-        return r - TWO_23
+            return tl.inline_asm_elementwise("add.rz.f32 $0, $1, 0f4B000000;", "=f,f", [z], dtype=tl.float32,
+                                             is_pure=True, pack=1)
     elif UP:
-        return tl.ceil(z)
+        return tl.ceil(z) + TWO_23
     else:
-        return tl.floor(z)
+        return tl.floor(z) + TWO_23
 
 
 @triton.jit
