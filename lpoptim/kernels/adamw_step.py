@@ -324,11 +324,10 @@ _STATE_KEYS4 = ("exp_avg_codes4", "exp_avg_scale", "exp_avg_sq_codes4", "exp_avg
 # 7.6-8.1 ms, bf16 5.3-5.6 ms for 1.24 B parameters, host part included, on two hosts (1 group per tile: 8.1-8.2 /
 # 6.0-6.5). Groups per tile, warps per program, tiles per program. Read-only: tests swap in their own.
 # 4-bit states on fp32 parameters take their own, the best of a 27-setting sweep on an H100 made before the ratio
-# bound (torch 2.11, triton 3.6; the sweep's script and output were not kept); with the bound, 5.97 ms back to
-# back for 1.24 B parameters against a copy floor of 5.86 (`benchmarks/optim_step.py`,
-# docs/results/optim_step_4bit_h100.json). With bf16 parameters the FP8 settings were within 2% of the best in
-# another sweep on an H100, before the ratio bound (not kept either); not re-swept with it (with the bound
-# the bf16 step is 1.37x its copy floor, the same file).
+# bound (torch 2.11, triton 3.6; the sweep's script and output were not kept); with the bound, 5.95 ms back to
+# back for 1.24 B parameters, at the copy floor (`benchmarks/optim_step.py`, docs/results/optim_step_4bit_h100.json).
+# With bf16 parameters the FP8 settings were within 2% of the best in another sweep on an H100, before the ratio
+# bound (not kept either); not re-swept with it (the bf16 step is 1.30x its copy floor, the same file).
 TUNING = MappingProxyType(dict(block_groups=2, num_warps=1, loop=8,
                                state4_fp32=MappingProxyType(dict(block_groups=4, num_warps=4, loop=8))))
 
