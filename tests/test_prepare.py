@@ -530,7 +530,7 @@ def test_bad_options_leave_an_hf_model_as_it_was():
 
 # ---- 5. the memory budget ------------------------------------------------------------------------------------
 
-def test_budget_picks_by_the_estimates():
+def test_budget_picks_by_the_estimates(monkeypatch):
     """Eight blocks: recompute (one FP8 block input per block) then costs less than FP8 activations with attention's
     (every block's saved tensors, in FP8), less than FP8 activations keeping attention's, less than none. The
     budgets are placed between the first call's estimates."""
@@ -569,6 +569,11 @@ def test_budget_picks_by_the_estimates():
     assert "FP8 activations" in list(compiled)[1] and "attention's too" in list(compiled)[2]
     assert "Inductor keeps 50%" in list(compiled)[3]
     assert all(a <= b for a, b in zip(compiled.values(), plain.values())), (compiled, plain)
+    # as CUDA graphs (its device check stubbed: plan only decides) the wrapper's rungs are left out: as saved,
+    # then Inductor's budgets
+    monkeypatch.setattr("lpoptim.planner._check_cuda_graphs", lambda *a: None)
+    graphs = plan(model, max_memory_gib=1e9, tokens=tokens, compile=True, linears="fp8_delayed", cuda_graphs=True)
+    assert list(graphs.estimate_gib.values()) == [rungs[0], rungs[3], rungs[4]] and graphs.cuda_graphs
     # prepare applies the choice the budget made
     opt = prepare(model, lr=1e-3, max_memory_gib=(e_none + e_fp8) / 2, tokens=tokens, compile=False,
                   step_in_backward=False)
