@@ -153,7 +153,8 @@ def test_no_fp32_copy_of_a_bf16_head_gradient():
 
 def test_backward_scales_the_head_gradient_in_place():
     """Backward returns the forward's head gradient scaled in place (no second head-sized tensor at the step's
-    peak) and AccumulateGrad keeps that tensor as .grad; under retain_graph every backward gives the reference."""
+    peak) and AccumulateGrad keeps that tensor as .grad; under retain_graph every backward gives the reference (to
+    a rounding of the head's dtype), a double backward after it too, and a first scale of 0 is refused later."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class HeadSized(TorchDispatchMode):
@@ -191,3 +192,13 @@ def test_backward_scales_the_head_gradient_in_place():
         for k in range(3):  # a retained graph: each backward adds one reference gradient (scaled by 0.5 here)
             (loss * 0.5).backward(retain_graph=True)
             torch.testing.assert_close(w.grad.float(), rw / 6 * (k + 1), **tol)
+
+        go = torch.tensor(2.0, requires_grad=True)  # a double backward after the in-place one
+        (_, gw2) = torch.autograd.grad(loss, (h, w), grad_outputs=go, create_graph=True)
+        torch.testing.assert_close(gw2.float(), rw / 3 * 2, **tol)
+
+    w = torch.randn(12, 8, generator=g, requires_grad=True)
+    loss = linear_cross_entropy(torch.randn(16, 8, generator=g), w, torch.randint(0, 12, (16,), generator=g))
+    (loss * 0.0).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="cannot be undone"):
+        loss.backward()

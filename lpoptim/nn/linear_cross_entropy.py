@@ -62,6 +62,19 @@ def addmm_accumulates_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
     return _ADDMM_FP32[key]
 
 
+def _unscaled(ctx, grad_w: torch.Tensor) -> torch.Tensor:
+    """The head gradient as the forward left it, for a retained graph's later backward: the first one scaled it in
+    place (by ctx.applied), so it is divided out, which a zero or non-finite first scale made impossible (checked
+    here, a host sync that only a retained graph's second backward pays)."""
+    if ctx.applied is None:
+        return grad_w
+    if not bool(torch.isfinite(ctx.applied) & (ctx.applied != 0)):
+        raise RuntimeError("linear_cross_entropy: a retained graph's first backward scaled the head's gradient by "
+                           f"{ctx.applied.item()}, which cannot be undone for this backward; give the first backward "
+                           "a finite, non-zero incoming gradient (or run the forward again)")
+    return grad_w / ctx.applied
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk: int, ignore_index: int):
@@ -122,19 +135,20 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         gh = (grad_h * scale.to(grad_h.dtype)).reshape(hidden_shape) if grad_h is not None else None
         gw = None
         if grad_w is not None and torch.is_grad_enabled() and grad_loss.requires_grad:  # a double backward
-            gw = (grad_w * scale).to(weight_dtype)
+            gw = (_unscaled(ctx, grad_w) * scale).to(weight_dtype)
         elif grad_w is not None and grad_w.dtype == weight_dtype:
             # scaled in place: a second copy of the head's gradient would sit at the step's peak (backward's
             # start, every activation saved). Autograd releases the saved tensor after this call unless the graph
             # is retained, so AccumulateGrad takes this very tensor; under retain_graph it copies what the graph
-            # still holds, whose next backward scales from the first one's result (ctx.applied). Through .data:
-            # the saved tensor's version stays, so that next backward may unpack it
+            # still holds, whose next backward scales from the first one's result (ctx.applied; within a rounding
+            # of the weight's dtype). Through .data: the saved tensor's version stays, so that next backward may
+            # unpack it
             s = scale.to(grad_w.dtype)
             if ctx.applied is None:
                 grad_w.data.mul_(s)
                 gw, ctx.applied = grad_w, s
             else:
-                gw = grad_w / ctx.applied * s
+                gw = _unscaled(ctx, grad_w) * s
         elif grad_w is not None:  # written in the weight's dtype: no fp32 temporary of the head's size
             gw = torch.mul(grad_w, scale, out=torch.empty(grad_w.shape, dtype=weight_dtype, device=grad_w.device))
         return gh, gw, None, None, None
