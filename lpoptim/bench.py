@@ -63,6 +63,8 @@ def unavailable(stack: Stack, device: str, compile_blocks: bool = False, hf: boo
         return "+sacNN is a budget for Inductor's partitioner: it needs --compile"
     if stack.cuda_graphs and not (compile_blocks and device == "cuda"):
         return "+cg replays the compiled blocks as CUDA graphs: it needs --compile and CUDA"
+    if stack.cuda_graphs and stack.hf_checkpointing:
+        return "+cg with +ckpt: HF gradient checkpointing runs the blocks again inside backward (not supported)"
     if stack.cuda_graphs and hf and stack.compress:
         return "+cg with +act or +rec: lpoptim.prepare's FP8-activation wrapper is not captured in CUDA graphs"
     if stack.optimizer == "bnb":

@@ -29,8 +29,10 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
 - ``cuda_graphs``: the compiled blocks replayed as CUDA graphs (``torch.compile``'s mode "reduce-overhead"): the
   host launches a block's kernels in one call instead of one by one. Off unless asked: a block's outputs are
   overwritten by its next call (torch raises where a kept one is read afterwards), each new input shape records
-  a graph of its own, and the graphs' memory is a pool of their own. Needs compiled blocks on one CUDA device
-  (not FSDP2) and activations None or an Inductor budget (the FP8-activation wrapper is not captured).
+  a graph of its own, and the graphs' memory is a pool of their own, gradients included: each step's gradients
+  must be used before the next forward (the step in backward, or one backward per ``opt.step()``; not gradient
+  accumulation). Needs compiled blocks on one CUDA device (not FSDP2, no HF gradient checkpointing) and
+  activations None or an Inductor budget (the FP8-activation wrapper is not captured).
 - ``step_in_backward``: each parameter updated during backward and its gradient freed at once, so the whole
   set of gradients never exists. ``opt.step()`` and ``opt.zero_grad()`` stay in the loop (they find nothing left
   to do); a loop that needs every gradient at once cannot have it: a second backward before ``opt.step()``
@@ -279,15 +281,22 @@ def device_memory_gib(device: torch.device) -> float:
     return torch.cuda.get_device_properties(device).total_memory * cap / 2**30
 
 
-def _check_cuda_graphs(compile, cuda: bool, activations, params) -> None:
+def _check_cuda_graphs(compile, cuda: bool, activations, params, hf_checkpointing: bool) -> None:
     """cuda_graphs=True's conditions, checked before anything changes (plan's docstring says why)."""
+    if not cuda:
+        raise ValueError("lpoptim.prepare: cuda_graphs=True needs the model on CUDA")
     if not compile:
         raise ValueError("lpoptim.prepare: cuda_graphs=True replays the compiled blocks: it needs compile=True")
     if activations in ACTIVATIONS[1:]:
         raise ValueError(f"lpoptim.prepare: cuda_graphs=True with activations={activations!r}: the FP8-activation "
                          "wrapper is not captured; pass activations=None or an Inductor budget")
-    if not cuda:
-        raise ValueError("lpoptim.prepare: cuda_graphs=True needs the model on CUDA")
+    if hf_checkpointing:
+        raise ValueError("lpoptim.prepare: cuda_graphs=True with HF gradient checkpointing on: not supported (its "
+                         "recompute runs the blocks again inside backward); call "
+                         "model.gradient_checkpointing_disable() first")
+    if len({p.device for p in params}) > 1:
+        raise ValueError("lpoptim.prepare: cuda_graphs=True on a model spread over several devices: the blocks' "
+                         "graphs are recorded for one")
     from .optim.distributed import is_dtensor
 
     if any(is_dtensor(p) for p in params):
@@ -296,8 +305,8 @@ def _check_cuda_graphs(compile, cuda: bool, activations, params) -> None:
 
 
 def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compile=AUTO, cuda_graphs=False,
-         step_in_backward=AUTO, chunked_loss=AUTO, max_memory_gib: float | None = None, max_memory_fraction: float | None = None,
-         tokens: int | None = None,
+         step_in_backward=AUTO, chunked_loss=AUTO, max_memory_gib: float | None = None,
+         max_memory_fraction: float | None = None, tokens: int | None = None,
          state_bits: int = 8, min_quant_numel: int = 4096, group_size: int = 128) -> Plan:
     """What ``prepare`` would do to ``model`` with these options, and why; changes nothing."""
     if not isinstance(model, nn.Module):
@@ -346,7 +355,7 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     if budget and not compile:
         raise ValueError(f"lpoptim.prepare: activations={activations} is a budget for Inductor: it needs compile=True")
     if cuda_graphs:
-        _check_cuda_graphs(compile, cuda, activations, params)
+        _check_cuda_graphs(compile, cuda, activations, params, _hf_checkpointing(_unwrapped(model)))
     if linears == AUTO:
         if compile and fp8_cores:
             linears, reasons["linears"] = DEFAULT_RECIPE, "compiled blocks on FP8 tensor cores"
