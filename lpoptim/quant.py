@@ -422,6 +422,9 @@ def _encode4(g: torch.Tensor, second: bool, noise: torch.Tensor | None = None,
     top = V4_TOP if second else M4_TOP
     inv = torch.where(scale > 0, _div_rn(top, torch.where(scale > 0, scale, 1.0)), 0.0).unsqueeze(-1)
     f = g.abs() * inv  # +-inf: inf (clamped below); a scale-0 group: 0
+    # as the kernel: the top first, NaN to the top (its minimum drops NaN: a zero times the inf that 16/c or 7/c
+    # gives for a scale just above the smallest normal is NaN there), then rounded
+    f = torch.fmin(f, f.new_full((), V4_TOP if second else M4_TOP))
     if second:
         q = torch.floor(f + noise) if noise is not None else torch.round(f)
         j = q.clamp(1.0, V4_TOP)
@@ -429,9 +432,9 @@ def _encode4(g: torch.Tensor, second: bool, noise: torch.Tensor | None = None,
             j = torch.fmin(torch.fmax(j, torch.ceil(floor(inv))), j.new_full((), V4_TOP))
         j = torch.where(torch.isnan(g), V4_TOP, j)
         return j.to(torch.int32) - 1, scale, j
-    f = torch.fmin(f, f.new_full((), M4_TOP))  # as the kernel: the top first (NaN -> 7), then rounded
     q = torch.floor(f + noise) if noise is not None else torch.round(f)
-    nib = int4_to_nibble(torch.where(g < 0, -q, q).to(torch.int32)).to(torch.int32)
+    # the sign as the kernel takes it, from the sign bit (-0.0 beside a scale whose 7/c overflowed: -7)
+    nib = int4_to_nibble(torch.where(torch.signbit(g), -q, q).to(torch.int32)).to(torch.int32)
     return torch.where(torch.isnan(g), M4_NAN, nib), scale, q
 
 

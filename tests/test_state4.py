@@ -97,6 +97,26 @@ def test_codec_special_values():
             assert (s == 0).all() and (quant.dequantize_state4(c, s, x.shape, second) == 0).all()
 
 
+def test_codec_scale_whose_reciprocal_overflows():
+    """A scale just above fp32's smallest normal makes 16/c (and 7/c) overflow: a zero beside it is 0 * inf = NaN.
+    The kernel's minimum drops that NaN to the top, so the reference does too: every code is a nibble (a NaN cast to
+    int32 spilled into its neighbour's), zeros encode to the top (m: +7 by its sign bit, -7 for -0.0, as the kernel
+    reads the sign), and the group still decodes within its scale."""
+    c = torch.tensor(2e-38).item()  # as fp32 holds it
+    assert torch.isinf(torch.tensor(7.0) / torch.tensor(c)) and c > quant.FP32_MIN_NORMAL
+    v = torch.tensor([c, 0.0, c / 2, 0.0, 0.0, c])
+    codes, scale = quant.quantize_state4(v, True, noise=torch.full_like(v, 0.5))
+    nib = quant.unpack_codes4(codes, v.shape)
+    assert ((nib >= 0) & (nib <= 15)).all() and scale.item() == c
+    assert nib[1] == 15 and nib[3] == 15 and nib[0] == 15
+    m = torch.tensor([c, 0.0, -0.0, -c])
+    codes, scale = quant.quantize_state4(m, False)
+    nib = quant.unpack_codes4(codes, m.shape).tolist()
+    assert nib[1] == 7 and nib[2] == quant.int4_to_nibble(torch.tensor(-7)).item()
+    y = quant.dequantize_state4(codes, scale, m.shape, False)
+    assert (y.abs() <= c).all()
+
+
 def test_codec_round_trip_is_a_fixed_point():
     """Decoding and encoding again reproduces the codes: a resumed, re-encoded state does not drift."""
     gen = torch.Generator().manual_seed(3)

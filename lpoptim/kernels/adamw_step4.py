@@ -94,8 +94,10 @@ def _encode4(x, codes_ptr, scale_ptr, boffs, bmask, mask, gid, gmask, noise, q2,
     inv = tl.where(c > 0, tl.div_rn(top + tl.zeros_like(c), tl.where(c > 0, c, 1.0)), 0.0)  # once per group
     f = tl.minimum(tl.abs(x) * inv, top)  # min first: the rounding below needs f < 2^22 (inf, NaN: the top)
     if SECOND:  # j held as 2^23 + j, whose low bits are j: max and min order them as j
-        if SR:  # f + noise floors onto at most the top, as the reference's clamp
+        if SR:  # f + noise floors onto the top + 1 at most (16 + a noise within 2^-20 of 1 rounds up): capped below
             j = integer_at_2_23(f + noise, False, ON_GPU)
+            if not BOUND:
+                j = tl.minimum(j, TWO_23 + top)
         else:
             j = round_half_even(f) + TWO_23
         if BOUND:  # once per group: u; per element a multiply, a ceil, a max and the cap
