@@ -66,7 +66,7 @@ def unavailable(stack: Stack, device: str, compile_blocks: bool = False, hf: boo
     if stack.cuda_graphs and stack.hf_checkpointing:
         return "+cg with +ckpt: HF gradient checkpointing runs the blocks again inside backward (not supported)"
     if stack.cuda_graphs and hf and stack.compress:
-        return "+cg with +act or +rec: lpoptim.prepare's FP8-activation wrapper is not captured in CUDA graphs"
+        return "+cg with +act or +rec: lpoptim.prepare's FP8-activation wrapper compiles its blocks without CUDA graphs (not supported yet)"
     if stack.optimizer == "bnb":
         try:
             import bitsandbytes  # noqa: F401

@@ -32,7 +32,8 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
   a graph of its own, and the graphs' memory is a pool of their own, gradients included: each step's gradients
   must be used before the next forward (the step in backward, or one backward per ``opt.step()``; not gradient
   accumulation). Needs compiled blocks on one CUDA device (not FSDP2, no HF gradient checkpointing) and
-  activations None or an Inductor budget (the FP8-activation wrapper is not captured).
+  activations None or an Inductor budget (the FP8-activation wrapper compiles its blocks itself, without
+  graphs: not supported yet).
 - ``step_in_backward``: each parameter updated during backward and its gradient freed at once, so the whole
   set of gradients never exists. ``opt.step()`` and ``opt.zero_grad()`` stay in the loop (they find nothing left
   to do); a loop that needs every gradient at once cannot have it: a second backward before ``opt.step()``
@@ -289,7 +290,8 @@ def _check_cuda_graphs(compile, cuda: bool, activations, params, hf_checkpointin
         raise ValueError("lpoptim.prepare: cuda_graphs=True replays the compiled blocks: it needs compile=True")
     if activations in ACTIVATIONS[1:]:
         raise ValueError(f"lpoptim.prepare: cuda_graphs=True with activations={activations!r}: the FP8-activation "
-                         "wrapper is not captured; pass activations=None or an Inductor budget")
+                         "wrapper compiles its blocks without graphs (not supported yet); pass activations=None or an "
+                         "Inductor budget")
     if hf_checkpointing:
         raise ValueError("lpoptim.prepare: cuda_graphs=True with HF gradient checkpointing on: not supported (its "
                          "recompute runs the blocks again inside backward); call "
@@ -399,7 +401,7 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     if activations == AUTO:
         # fastest first: as saved, FP8, FP8 with attention's, Inductor's budgets (compiled), recompute
         activation_choices = [*ACTIVATIONS[:-1], *(AUTO_BUDGETS if compile else ()), ACTIVATIONS[-1]]
-        if cuda_graphs:  # the wrapper's candidates are not captured: as saved, then Inductor's budgets
+        if cuda_graphs:  # not the wrapper's candidates: as saved, then Inductor's budgets
             activation_choices = [None, *AUTO_BUDGETS]
     else:
         activation_choices = [activations or None]

@@ -972,8 +972,8 @@ def test_cuda_graphs_conditions():
 
     p = [torch.zeros(1)]
     for args, match in (((False, None, p, False), "replays the compiled blocks"),
-                        ((True, "fp8", p, False), "wrapper is not captured"),
-                        ((True, "recompute", p, False), "wrapper is not captured"),
+                        ((True, "fp8", p, False), "wrapper compiles its blocks without graphs"),
+                        ((True, "recompute", p, False), "wrapper compiles its blocks without graphs"),
                         ((True, None, p, True), "HF gradient checkpointing"),
                         ((True, None, [torch.zeros(1), torch.zeros(1, device="meta")], False), "several devices")):
         with pytest.raises(ValueError, match=match):
