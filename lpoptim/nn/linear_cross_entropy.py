@@ -142,7 +142,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             # is retained, so AccumulateGrad takes this very tensor; under retain_graph it copies what the graph
             # still holds, whose next backward scales from the first one's result (ctx.applied; within a rounding
             # of the weight's dtype). Through .data: the saved tensor's version stays, so that next backward may
-            # unpack it
+            # unpack it. (A head weight reached through a view gets this tensor's storage as .grad even then:
+            # editing that .grad in place between retained backwards makes the next one raise, as torch does for
+            # a saved tensor modified in place.)
             s = scale.to(grad_w.dtype)
             if ctx.applied is None:
                 grad_w.data.mul_(s)
