@@ -356,8 +356,9 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
         reasons["compile"] = "CUDA" if cuda else "not on CUDA"
     if budget and not compile:
         raise ValueError(f"lpoptim.prepare: activations={activations} is a budget for Inductor: it needs compile=True")
+    hf = _unwrapped(model)
     if cuda_graphs:
-        _check_cuda_graphs(compile, cuda, activations, params, _hf_checkpointing(_unwrapped(model)))
+        _check_cuda_graphs(compile, cuda, activations, params, _hf_checkpointing(hf))
     if linears == AUTO:
         if compile and fp8_cores:
             linears, reasons["linears"] = DEFAULT_RECIPE, "compiled blocks on FP8 tensor cores"
@@ -370,7 +371,6 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     if linears and not any(type(m) is nn.Linear for m in stack.modules()):  # GPT-2's Conv1D, say
         linears = None
         reasons["linears"] = "the blocks hold no nn.Linear"
-    hf = _unwrapped(model)
     if _ddp(model) is not None:  # DDP all-reduces the gradients while backward ends: a step inside it would come first
         if step_in_backward not in (AUTO, False):
             raise ValueError("lpoptim.prepare: step_in_backward=True on a DistributedDataParallel model: each rank "

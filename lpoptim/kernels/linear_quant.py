@@ -458,7 +458,7 @@ def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int |
         offset, write, zero = history.advance() if delayed else (0, 0, 0)  # counted once nothing can fail
         args = (x, amax, row_values, row_scale, col_values, col_scale, R, C, rp, cp, x.stride(0), x.stride(1),
                 hist, offset, write, zero)
-        grid = (-(-max(R, rp) // block_r), -(-max(C, cp) // block_c))
+        grid = (cdiv(max(R, rp), block_r), cdiv(max(C, cp), block_c))
         first(grid, *args)
         if delayed:  # where x's own absmax exceeds the history's (a no-op launch otherwise)
             redo((min(grid[0] * grid[1], _redo_programs(device)),), *args)
