@@ -65,8 +65,8 @@ def unavailable(stack: Stack, device: str, compile_blocks: bool = False, hf: boo
         return "+cg replays the compiled blocks as CUDA graphs: it needs --compile and CUDA"
     if stack.cuda_graphs and stack.hf_checkpointing:
         return "+cg with +ckpt: HF gradient checkpointing runs the blocks again inside backward (not supported)"
-    if stack.cuda_graphs and hf and stack.compress:
-        return "+cg with +act or +rec: lpoptim.prepare's FP8-activation wrapper compiles its blocks without CUDA graphs (not supported yet)"
+    if stack.cuda_graphs and stack.recompute:
+        return "+cg with +rec: the FP8 recompute runs the blocks again inside backward (not supported)"
     if stack.optimizer == "bnb":
         try:
             import bitsandbytes  # noqa: F401
@@ -143,7 +143,7 @@ def build(stack: Stack, cfg: LlamaConfig, device: str, compile_blocks: bool):
 
         convert_linears(model, stack.linears)
     # FP8 activations on compiled blocks: the wrapper calls each block's compiled forward (no graph break per call)
-    wrapper_compiles = stack.compress and compile_blocks and not stack.cuda_graphs
+    wrapper_compiles = stack.compress and compile_blocks
     if compile_blocks and not wrapper_compiles:
         for i, block in enumerate(model.layers):
             model.layers[i] = torch.compile(block, mode="reduce-overhead" if stack.cuda_graphs else None)
@@ -151,7 +151,9 @@ def build(stack: Stack, cfg: LlamaConfig, device: str, compile_blocks: bool):
     if stack.compress:
         from .activations import compress_activations
 
-        handle = compress_activations(model.layers, recompute=stack.recompute, compile=wrapper_compiles,
+        graphs = wrapper_compiles and stack.cuda_graphs
+        handle = compress_activations(model.layers, recompute=stack.recompute,
+                                      compile={"mode": "reduce-overhead"} if graphs else wrapper_compiles,
                                       attention="fp8" if stack.attention else "keep")
     groups, lr, betas = model.param_groups(0.1), 1e-4, (0.9, 0.95)
     if stack.optimizer in ("torch", "lpoptim"):

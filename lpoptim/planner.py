@@ -32,8 +32,7 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
   a graph of its own, and the graphs' memory is a pool of their own, gradients included: each step's gradients
   must be used before the next forward (the step in backward, or one backward per ``opt.step()``; not gradient
   accumulation). Needs compiled blocks on one CUDA device (not FSDP2, no HF gradient checkpointing) and
-  activations None or an Inductor budget (the FP8-activation wrapper compiles its blocks itself, without
-  graphs: not supported yet).
+  activations other than "recompute" (which runs the blocks again inside backward, outside their graphs).
 - ``step_in_backward``: each parameter updated during backward and its gradient freed at once, so the whole
   set of gradients never exists. ``opt.step()`` and ``opt.zero_grad()`` stay in the loop (they find nothing left
   to do); a loop that needs every gradient at once cannot have it: a second backward before ``opt.step()``
@@ -288,10 +287,9 @@ def _check_cuda_graphs(compile, cuda: bool, activations, params, hf_checkpointin
         raise ValueError("lpoptim.prepare: cuda_graphs=True needs the model on CUDA")
     if not compile:
         raise ValueError("lpoptim.prepare: cuda_graphs=True replays the compiled blocks: it needs compile=True")
-    if activations in ACTIVATIONS[1:]:
-        raise ValueError(f"lpoptim.prepare: cuda_graphs=True with activations={activations!r}: the FP8-activation "
-                         "wrapper compiles its blocks without graphs (not supported yet); pass activations=None or an "
-                         "Inductor budget")
+    if activations == "recompute":
+        raise ValueError("lpoptim.prepare: cuda_graphs=True with activations='recompute': not supported (the "
+                         "recompute runs each block again inside backward); pass another activations choice")
     if hf_checkpointing:
         raise ValueError("lpoptim.prepare: cuda_graphs=True with HF gradient checkpointing on: not supported (its "
                          "recompute runs the blocks again inside backward); call "
@@ -401,8 +399,8 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     if activations == AUTO:
         # fastest first: as saved, FP8, FP8 with attention's, Inductor's budgets (compiled), recompute
         activation_choices = [*ACTIVATIONS[:-1], *(AUTO_BUDGETS if compile else ()), ACTIVATIONS[-1]]
-        if cuda_graphs:  # not the wrapper's candidates: as saved, then Inductor's budgets
-            activation_choices = [None, *AUTO_BUDGETS]
+        if cuda_graphs:  # recompute runs blocks inside backward, outside their graphs
+            activation_choices = [*ACTIVATIONS[:-1], *AUTO_BUDGETS]
     else:
         activation_choices = [activations or None]
 
@@ -474,7 +472,8 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
     wrapped = result.activations in ACTIVATIONS[1:]
     if wrapped:  # compiled, the wrapper calls each block's compiled forward (wrap.py: no graph break per call)
         result.handles.append(compress_activations(
-            stack, recompute=result.activations == "recompute", compile=result.compile,
+            stack, recompute=result.activations == "recompute",
+            compile={"mode": "reduce-overhead"} if result.cuda_graphs else result.compile,
             attention="fp8" if result.activations == "fp8_attention" else "keep"))
         if result.compile:
             result.handles.append(_CompileOnRemove(stack))  # the blocks stay compiled without the wrapper

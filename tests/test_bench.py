@@ -114,7 +114,8 @@ def test_cg_part_replays_compiled_blocks_as_cuda_graphs():
     hf = dict(compile_blocks=True, hf=True)
     assert bench.unavailable(parse_stack("prepare+bf16+cg"), "cuda", **hf) is None
     assert "+ckpt" in bench.unavailable(parse_stack("torch+bf16+ckpt+cg"), "cuda", **hf)
-    assert "without CUDA graphs" in bench.unavailable(parse_stack("lpoptim+bf16+act+bwd+cg"), "cuda", **hf)
+    assert bench.unavailable(parse_stack("lpoptim+bf16+act+bwd+cg"), "cuda", **hf) is None
+    assert "+rec" in bench.unavailable(parse_stack("lpoptim+bf16+rec+bwd+cg"), "cuda", **hf)
 
 
 def test_table_compares_a_reserved_peak_with_a_reserved_peak():

@@ -191,6 +191,29 @@ def test_compile_option_packs_the_same_without_a_graph_break():
     torch._dynamo.reset()
 
 
+def test_compile_option_takes_torch_compile_arguments(monkeypatch):
+    """compile={...}: the wrapper's torch.compile gets these keyword arguments (how prepare asks for CUDA graphs:
+    {"mode": "reduce-overhead"}); anything but a bool or a dict is refused before any block is wrapped."""
+    seen = []
+    real = torch.compile
+
+    def spy(fn, **kw):
+        seen.append(kw)
+        return real(fn, backend="eager")
+
+    monkeypatch.setattr(torch, "compile", spy)
+    blocks = [make_block("plain", 64, 176, 4, 32, "cpu", torch.float32)[0] for _ in range(2)]
+    handle = compress_activations(blocks, compile={"mode": "reduce-overhead"})
+    assert seen == [{"mode": "reduce-overhead"}] * 2
+    handle.remove()
+    handle = compress_activations(blocks, compile=True)
+    assert seen[2:] == [{}] * 2
+    handle.remove()
+    with pytest.raises(TypeError, match="dict of torch.compile arguments"):
+        compress_activations(blocks, compile="reduce-overhead")
+    assert not any("forward" in vars(b) for b in blocks)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("attention", ["keep", "fp8"])
 def test_compiled_block_bf16_on_gpu(attention):

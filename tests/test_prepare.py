@@ -567,11 +567,11 @@ def test_budget_picks_by_the_estimates(monkeypatch):
     assert "FP8 activations" in list(compiled)[1] and "attention's too" in list(compiled)[2]
     assert "Inductor keeps 50%" in list(compiled)[3]
     assert all(a <= b for a, b in zip(compiled.values(), plain.values())), (compiled, plain)
-    # as CUDA graphs (its device check stubbed: plan only decides) the wrapper's rungs are left out: as saved,
-    # then Inductor's budgets
+    # as CUDA graphs (its device check stubbed: plan only decides) recompute is left out: it runs the blocks
+    # again inside backward, outside their graphs
     monkeypatch.setattr("lpoptim.planner._check_cuda_graphs", lambda *a: None)
     graphs = plan(model, max_memory_gib=1e9, tokens=tokens, compile=True, linears="fp8_delayed", cuda_graphs=True)
-    assert list(graphs.estimate_gib.values()) == [rungs[0], rungs[3], rungs[4]] and graphs.cuda_graphs
+    assert list(graphs.estimate_gib.values()) == rungs[:5] and graphs.cuda_graphs
     # prepare applies the choice the budget made
     opt = prepare(model, lr=1e-3, max_memory_gib=(e_none + e_fp8) / 2, tokens=tokens, compile=False,
                   step_in_backward=False)
@@ -932,9 +932,11 @@ def test_ddp_model_steps_after_backward(tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_cuda_graphs_train_as_the_compiled_blocks():
+@pytest.mark.parametrize("activations", [None, "fp8", "fp8_attention"])
+def test_cuda_graphs_train_as_the_compiled_blocks(activations):
     """prepare(cuda_graphs=True): every compiled block is captured (Inductor skips none) and the usual loop
-    trains as with the compiled blocks alone: the same losses and parameters, bf16 with stochastic rounding."""
+    trains as with the compiled blocks alone: the same losses and parameters, bf16 with stochastic rounding;
+    with FP8 activations too (their wrapper compiles the blocks, packing inside the graphs)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from torch._dynamo.utils import counters
@@ -945,7 +947,7 @@ def test_cuda_graphs_train_as_the_compiled_blocks():
         counters.clear()
         torch.manual_seed(0)
         model = _tiny_llama(num_hidden_layers=3).to("cuda", torch.bfloat16)
-        opt = prepare(model, lr=1e-3, cuda_graphs=graphs)
+        opt = prepare(model, lr=1e-3, cuda_graphs=graphs, activations=activations)
         assert opt.plan.cuda_graphs is graphs and ("as CUDA graphs" in opt.plan.summary()) is graphs
         gen = torch.Generator(device="cuda").manual_seed(1)
         losses = []
@@ -972,11 +974,11 @@ def test_cuda_graphs_conditions():
 
     p = [torch.zeros(1)]
     for args, match in (((False, None, p, False), "replays the compiled blocks"),
-                        ((True, "fp8", p, False), "wrapper compiles its blocks without graphs"),
-                        ((True, "recompute", p, False), "wrapper compiles its blocks without graphs"),
+                        ((True, "recompute", p, False), "runs each block again inside backward"),
                         ((True, None, p, True), "HF gradient checkpointing"),
                         ((True, None, [torch.zeros(1), torch.zeros(1, device="meta")], False), "several devices")):
         with pytest.raises(ValueError, match=match):
             _check_cuda_graphs(args[0], True, *args[1:])
     _check_cuda_graphs(True, True, None, p, False)
-    _check_cuda_graphs(True, True, 0.5, p, False)
+    for activations in (None, "fp8", "fp8_attention", 0.5):
+        _check_cuda_graphs(True, True, activations, p, False)

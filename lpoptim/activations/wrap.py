@@ -97,15 +97,20 @@ class ActivationHandle:
 
 
 def compress_activations(blocks: nn.Module | Iterable[nn.Module], policy: ActivationPolicy | None = None,
-                         compile: bool = False, **options) -> ActivationHandle:
+                         compile: bool | dict = False, **options) -> ActivationHandle:
     """Keep what autograd saves inside each block in FP8 E4M3; return a handle (``.remove()``, ``.record()``).
 
     ``blocks``: one module, or a list / ``nn.ModuleList`` of modules (e.g. ``model.layers``), each wrapped on
     its own (a ModuleList is never called, so its elements are). ``options`` are ``ActivationPolicy`` fields:
     ``recompute``, ``attention``, ``gemm_granularity``, ``group_size``, ``min_numel``, ``unknown``, ``derive``,
     ``fuse_replays``. ``compile``: run each block's forward compiled (``torch.compile``; the module docstring
-    says why this beats wrapping a block compiled with ``block.compile()``); ``remove()`` leaves it uncompiled.
+    says why this beats wrapping a block compiled with ``block.compile()``); ``remove()`` leaves it uncompiled. A
+    dict instead of True holds ``torch.compile``'s keyword arguments, e.g. ``{"mode": "reduce-overhead"}`` to replay
+    each compiled block as a CUDA graph.
     """
+    if not isinstance(compile, (bool, dict)):
+        raise TypeError(f"compress_activations: compile is True, False or a dict of torch.compile arguments, got "
+                        f"{compile!r}")
     if policy is None:
         policy = ActivationPolicy(**options)
     elif options:
@@ -137,12 +142,13 @@ class _WrappedForward:
     """
 
     def __init__(self, module: nn.Module, original, had_forward: bool, handle: ActivationHandle,
-                 compile: bool = False):
+                 compile: bool | dict = False):
         self.module, self.original, self.had_forward, self.handle = module, original, had_forward, handle
-        self.compile = compile
+        self.compile_options = compile  # False, True or torch.compile's keyword arguments (kept for deepcopy)
+        self.compile = compile is not False
         # what a call runs: the original forward, or its compiled form (one torch.compile per block; Dynamo shares
         # the compiled code between blocks of one class, whose modules it does not specialize on)
-        self.run = torch.compile(original) if compile else original
+        self.run = torch.compile(original, **(compile if isinstance(compile, dict) else {})) if self.compile else original
         functools.update_wrapper(self, original)
 
     @torch.compiler.disable(recursive=False)  # Dynamo runs this eagerly and compiles ``original`` as its own frame
@@ -172,7 +178,7 @@ class _WrappedForward:
             original = types.MethodType(original.__func__, module)
         else:
             original = copy.deepcopy(original, memo)
-        return _WrappedForward(module, original, self.had_forward, self.handle, self.compile)
+        return _WrappedForward(module, original, self.had_forward, self.handle, self.compile_options)
 
 
 def _no_callback():
