@@ -21,8 +21,9 @@ import triton.language as tl
 
 from ..formats import IntFormat, container_dtype, get_format
 from ..hadamard import hadamard_pm1, inv_sqrt
-from ..quant import absmax_scale
-from .grid import absmax_scale as _absmax_scale
+# unaliased: Inductor copies a kernel's dependencies under their own names (wrap_triton, nn/weight_scale.py)
+from ..quant import absmax_scale as absmax_scale_ref
+from .grid import absmax_scale
 from .grid import div_rn_by, finite_abs, fp8_bits, interpreted, round_to_grid
 from .launch import cdiv, launcher, next_power_of_2
 
@@ -134,7 +135,7 @@ def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, tmax_ptr, R
         c_begin = tl.program_id(1) * COLS_PER_PROGRAM
         c_end = tl.minimum(c_begin + COLS_PER_PROGRAM, CP)
         amax = tl.load(colmax_ptr + rows, mask=rows < R, other=0).to(tl.float32, bitcast=True)
-        scale = _absmax_scale(amax, FMAX)
+        scale = absmax_scale(amax, FMAX)
         if tl.program_id(1) == 0:
             tl.store(scale_ptr + rows, scale, mask=rows < R)
     else:  # pass 1: the row's absmax over finite elements (the second pass re-reads from L2)
@@ -146,7 +147,7 @@ def _quant_rows_kernel(x_ptr, out_ptr, scale_ptr, h_ptr, colmax_ptr, tmax_ptr, R
             if COL_MAX:  # and each column's, for the transposed copy: |x| orders as its bits (int atomics)
                 cols = c0 + tl.arange(0, BLOCK_C)
                 tl.atomic_max(colmax_ptr + cols, tl.max(t, axis=0).to(tl.int32, bitcast=True), mask=cols < C)
-        scale = _absmax_scale(amax, FMAX)
+        scale = absmax_scale(amax, FMAX)
         tl.store(scale_ptr + rows, scale, mask=rows < R)
         if TENSOR_MAX:  # x's finite absmax is the largest row's (no Hadamard): an int atomic, |x| orders as its bits
             tl.atomic_max(tmax_ptr, tl.max(amax, axis=0).to(tl.int32, bitcast=True))
@@ -274,7 +275,7 @@ def _quant_whole_rows_kernel(x_ptr, out_ptr, scale_ptr, tmax_ptr, R, C, CP, stri
     t = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :],
                 mask=(rows[:, None] < R) & (cols[None, :] < C), other=0.0).to(tl.float32)
     amax = tl.max(finite_abs(t), axis=1)  # inf and NaN do not set the scale
-    scale = _absmax_scale(amax, FMAX)
+    scale = absmax_scale(amax, FMAX)
     tl.store(scale_ptr + rows, scale, mask=rows < R)
     if TENSOR_MAX:  # x's finite absmax is the largest row's: |x| orders as its bits
         tl.atomic_max(tmax_ptr, tl.max(amax, axis=0).to(tl.int32, bitcast=True))
@@ -283,13 +284,16 @@ def _quant_whole_rows_kernel(x_ptr, out_ptr, scale_ptr, tmax_ptr, R, C, CP, stri
              mask=(rows[:, None] < R) & (cols[None, :] < CP))
 
 
+PREV_HEADROOM = tl.constexpr(17 / 16)  # nn/weight_scale.py HEADROOM (that file says why)
+
+
 # the history slots change every call: specialized (== 1, divisible by 16) they would compile a variant each
 @triton.jit(do_not_specialize=["HIST_OFFSET", "W_SLOT", "Z_SLOT"])
 def _quant_tensor_kernel(x_ptr, amax_ptr, row_ptr, row_scale_ptr, col_ptr, col_scale_ptr, R, C, RP, CP,
                          stride_r, stride_c, hist_ptr, HIST_OFFSET, W_SLOT, Z_SLOT,
                          ROW_FMT: tl.constexpr, COL_FMT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                          ON_GPU: tl.constexpr, DELAYED: tl.constexpr, REDO: tl.constexpr, N_SLOTS: tl.constexpr,
-                         SLOTS_P2: tl.constexpr, STORE_USED: tl.constexpr):
+                         SLOTS_P2: tl.constexpr, STORE_USED: tl.constexpr, PREV: tl.constexpr = False):
     """A (BLOCK_R, BLOCK_C) tile of x scaled by one per-tensor scale: written as rows (R, CP) in ROW_FMT and/or as
     columns, transposed, (C, RP) in COL_FMT (a format's constexprs, or None: no such copy), zero-padded. The
     scales (amax / FMAX) are worked out from the finite absmax: x's own at ``amax_ptr``, or with DELAYED the
@@ -302,31 +306,49 @@ def _quant_tensor_kernel(x_ptr, amax_ptr, row_ptr, row_scale_ptr, col_ptr, col_s
 
     The columns' copy loads the tile again, transposed (from L1/L2: DRAM sees x once), so that each store runs
     along its tile's own dimension 1, as the one-pass column quantizer does. Storing the rows' tile through
-    transposed addresses instead gave wrong codes for fp32 input on an H100 (triton 3.6), bf16 right."""
+    transposed addresses instead gave wrong codes for fp32 input on an H100 (triton 3.6), bf16 right.
+
+    PREV: a weight's previous-absmax state (nn/weight_scale.py: slots previous, own, ticket; W_SLOT 1, Z_SLOT 2)
+    instead of a ring: the scale from the previous absmax (0 where not finite and non-negative) times
+    PREV_HEADROOM, redone from x's own times PREV_HEADROOM where x's own is larger or less than half of the
+    guess; the REDO launch's last program (a ticket in slot 2) then moves own to previous and zeroes own and the
+    ticket for the next call (quantize_weight_prev)."""
     ROWS: tl.constexpr = ROW_FMT is not None
     COLS: tl.constexpr = COL_FMT is not None
     if DELAYED or REDO:
         s = tl.arange(0, SLOTS_P2)
         window = (s < N_SLOTS) & (s != W_SLOT) & (s != Z_SLOT)  # the slot being written and the one being zeroed
         amax = tl.max(tl.load(hist_ptr + HIST_OFFSET + s, mask=window, other=0), axis=0).to(tl.float32, bitcast=True)
+        if PREV:
+            amax = tl.where((amax >= 0) & (amax <= 3.4028234663852886e38), amax, 0.0) * PREV_HEADROOM
     else:
         amax = tl.load(amax_ptr)
     if REDO:  # after the DELAYED pass: x's own absmax is in slot W_SLOT; beyond the history's, x is quantized
         own = tl.load(hist_ptr + HIST_OFFSET + W_SLOT).to(tl.float32, bitcast=True)  # again with its own scale
+        redo = own > amax
+        used = own
+        if PREV:
+            redo = redo | (amax > 2 * own)
+            used = own * PREV_HEADROOM
         if STORE_USED:
             if tl.program_id(0) == 0:
-                tl.store(amax_ptr, tl.maximum(own, amax))
-        if own > amax:  # a few programs per SM, looping over the tiles: where nothing is redone, they end at once
+                tl.store(amax_ptr, tl.where(redo, used, amax))
+        if redo:  # a few programs per SM, looping over the tiles: where nothing is redone, they end at once
             n_c = tl.cdiv(tl.maximum(C, CP), BLOCK_C)
             for tile in range(tl.program_id(0), tl.cdiv(tl.maximum(R, RP), BLOCK_R) * n_c, tl.num_programs(0)):
                 rows = (tile // n_c) * BLOCK_R + tl.arange(0, BLOCK_R)
                 cols = (tile % n_c) * BLOCK_C + tl.arange(0, BLOCK_C)
                 if ROWS:
-                    _quantize_store(x_ptr, rows, cols, stride_r, stride_c, R, C, row_ptr, CP, row_scale_ptr, own,
+                    _quantize_store(x_ptr, rows, cols, stride_r, stride_c, R, C, row_ptr, CP, row_scale_ptr, used,
                                     tile == 0, ROW_FMT, ON_GPU, False)
                 if COLS:
-                    _quantize_store(x_ptr, cols, rows, stride_c, stride_r, C, R, col_ptr, RP, col_scale_ptr, own,
+                    _quantize_store(x_ptr, cols, rows, stride_c, stride_r, C, R, col_ptr, RP, col_scale_ptr, used,
                                     tile == 0, COL_FMT, ON_GPU, False)
+        if PREV:  # acq_rel: every program has read the slots before the last one takes its ticket and moves them
+            if tl.atomic_add(hist_ptr + HIST_OFFSET + Z_SLOT, 1) == tl.num_programs(0) - 1:
+                tl.store(hist_ptr + HIST_OFFSET, own.to(tl.int32, bitcast=True))
+                tl.store(hist_ptr + HIST_OFFSET + W_SLOT, 0)
+                tl.store(hist_ptr + HIST_OFFSET + Z_SLOT, 0)
     else:
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -359,7 +381,7 @@ def _quantize_store(x_ptr, a, b, stride_a, stride_b, A, B, out_ptr, OUT_W, scale
     OUT_W (zeros past B); ``first`` also stores the scale. Returns the tile's finite absmax with TILE_MAX, else 0."""
     t = tl.load(x_ptr + a[:, None].to(tl.int64) * stride_a + b[None, :].to(tl.int64) * stride_b,
                 mask=(a[:, None] < A) & (b[None, :] < B), other=0.0).to(tl.float32)
-    scale = _absmax_scale(amax, FMT[0])
+    scale = absmax_scale(amax, FMT[0])
     q = _quantize_tile(t, scale, FMT, out_ptr.dtype.element_ty, ON_GPU)
     tl.store(out_ptr + a[:, None].to(tl.int64) * OUT_W + b[None, :], q, mask=(a[:, None] < A) & (b[None, :] < OUT_W))
     if first:
@@ -470,7 +492,7 @@ def quantize_tensor_rows_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int |
         for out, fmt in ((rows, row_fmt), (cols, col_fmt)):
             if out is not None:
                 out[0].zero_()
-                out[1].copy_(absmax_scale(amax, fmt).reshape(()))
+                out[1].copy_(absmax_scale_ref(amax, fmt).reshape(()))
     return rows, cols
 
 
@@ -483,3 +505,26 @@ def quantize_rows_and_cols(x: torch.Tensor, row_fmt, col_fmt, row_cols: int, col
     col_max = torch.zeros(x.shape[1], device=x.device, dtype=torch.int32)  # |x| bits: 0 is +0.0
     rows = quantize_rows(x, row_fmt, "row", None, row_cols, col_max=col_max)
     return rows, quantize_rows(x.t(), col_fmt, "row", None, col_cols, row_max=col_max)
+
+
+def quantize_weight_prev(w: torch.Tensor, fmt, cols: int, state: torch.Tensor, wrap=None):
+    """W (N, K) per tensor into rows of ``cols`` (fp8, zero-padded), scaled by its previous-absmax state (3 int32,
+    nn/weight_scale.py, which gives the rule and the reference), which the launches update: -> (values, scale,
+    the absmax the scale came from). ``wrap``: torch.library.wrap_triton inside a triton_op (Inductor then
+    launches the kernels from its own code, no Python per call), else None (launched here)."""
+    fmt = get_format(fmt)
+    R, C = w.shape
+    tune = TUNING["delayed"]
+    consts = dict(ROW_FMT=_format_constexprs(fmt), COL_FMT=None, BLOCK_R=tune["block_r"], BLOCK_C=tune["block_c"],
+                  ON_GPU=not interpreted(), N_SLOTS=3, SLOTS_P2=4, STORE_USED=True, PREV=True,
+                  num_warps=tune["num_warps"])
+    values = torch.empty((R, cols), device=w.device, dtype=container_dtype(fmt))
+    scale = torch.empty((), device=w.device, dtype=torch.float32)
+    used = torch.empty((), device=w.device, dtype=torch.float32)
+    # the columns' pointers are never written (COL_FMT None): the rows' own
+    args = (w, used, values, scale, values, scale, R, C, R, cols, w.stride(0), w.stride(1), state, 0, 1, 2)
+    grid = (cdiv(R, tune["block_r"]), cdiv(max(C, cols), tune["block_c"]))
+    kernel = _quant_tensor_kernel if wrap is None else wrap(_quant_tensor_kernel)
+    kernel[grid](*args, DELAYED=True, REDO=False, **consts)
+    kernel[(min(grid[0] * grid[1], _redo_programs(w.device)),)](*args, DELAYED=False, REDO=True, **consts)
+    return values, scale, used

@@ -21,7 +21,8 @@ window spans half as many steps), and the recomputed xᵀ may take a larger scal
 (both cover x; neither saturates); the same holds for W. LowBitLinear's forwards without grad (evaluation) use
 current scaling and record nothing (the functional form records whatever histories it is given). The
 slots are chosen on the host, so a layer must not quantize on two streams at once; LowBitLinear uses current
-scaling while a CUDA graph is captured (a replay would reuse the captured slots).
+scaling while a CUDA graph is captured (a replay would reuse the captured slots). Compiled, the histories are not
+used: x and dy take current scaling, W its previous absmax kept on the device (nn/weight_scale.py).
 """
 from __future__ import annotations
 

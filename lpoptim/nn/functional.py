@@ -18,8 +18,9 @@ import torch
 from ..formats import E2M1
 from ..quant import absmax_scale
 from .fp4 import dge_derivative, occ_split, residual_matmul
-from .operands import Operand, gemm, quantize, quantize_pair, tensor_amax, use_kernels
+from .operands import Operand, gemm, padded, quantize, quantize_pair, tensor_amax, use_kernels
 from .recipes import Recipe
+from .weight_scale import quantize_weight_prev
 
 
 def _autocast_off(device_type: str):
@@ -113,17 +114,19 @@ class _LowBitLinearFunction(torch.autograd.Function):
         return (dw if factor is None else dw * factor).to(w.dtype)
 
     @staticmethod
-    def forward_gemm_and_xt(x2, w, r: Recipe, out_dtype: torch.dtype, hx=None, hw=None):
+    def forward_gemm_and_xt(x2, w, r: Recipe, out_dtype: torch.dtype, hx=None, hw=None, w_state=None):
         """(y, xᵀ operand, W's statistic or None) where computing them together pays; (None, None, None) leaves
         xᵀ to _save_x_for_dw. The statistic lets the backward quantize Wᵀ in one pass (_quantize_wt). ``hx``,
-        ``hw``: x's and W's amax histories (delayed scaling)."""
+        ``hw``: x's and W's amax histories (delayed scaling); ``w_state``: W's previous-absmax state (compiled
+        delayed scaling, nn/weight_scale.py)."""
         return None, None, None
 
     @staticmethod
-    def forward(ctx, x, w, bias, r: Recipe, out_dtype: torch.dtype, grad_enabled: bool, histories=None):
+    def forward(ctx, x, w, bias, r: Recipe, out_dtype: torch.dtype, grad_enabled: bool, histories=None,
+                w_state=None):
         # grad mode is off inside forward: the caller says whether a backward can follow (no xᵀ under no_grad)
         want_xt = grad_enabled and w.requires_grad
-        y, xt, w_stat = lowbit_forward(_flat(x), w, bias, r, out_dtype, want_xt, histories)
+        y, xt, w_stat = lowbit_forward(_flat(x), w, bias, r, out_dtype, want_xt, histories, w_state)
         # no x.shape on ctx: a symbolic shape there breaks torch 2.11's Dynamo (gy has x's leading dims)
         ctx.recipe, ctx.x_dtype, ctx.has_bias, ctx.histories = r, x.dtype, bias is not None, histories
         ctx.has_xt, ctx.has_w_stat = xt is not None, w_stat is not None
@@ -139,21 +142,22 @@ class _LowBitLinearFunction(torch.autograd.Function):
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dx, dw, db = lowbit_backward(_flat(gy), w, xt, w_stat, ctx.recipe, need_dx, need_dw,
                                      need_db and ctx.has_bias, ctx.x_dtype, ctx.histories)
-        return None if dx is None else dx.reshape(*gy.shape[:-1], w.shape[1]), dw, db, None, None, None, None
+        return None if dx is None else dx.reshape(*gy.shape[:-1], w.shape[1]), dw, db, None, None, None, None, None
 
 
-def lowbit_forward(x2, w, bias, r: Recipe, out_dtype: torch.dtype, want_xt: bool, histories=None):
+def lowbit_forward(x2, w, bias, r: Recipe, out_dtype: torch.dtype, want_xt: bool, histories=None, w_state=None):
     """y = x2 Wᵀ + b in ``out_dtype`` with the recipe's forward GEMM, and (when ``want_xt``) the saved xᵀ operand
     for dW and W's statistic for the backward's Wᵀ (fp8: per row on CUDA its column maxima, per tensor its absmax;
     fp4: its absmax; else None). ``histories``: (x's, dy's, W's) nn.delayed.AmaxHistory for delayed
     scaling; x's is taken once, by the per-tensor quantization of x (fp8 per tensor: x and xᵀ together; per-row
     forwards: the saved xᵀ), except fp4's, whose xᵀ comes with x's absmax from the row quantizer (only dy is
-    delayed); W's by an fp8 forward per tensor (its scale also Wᵀ's in backward)."""
+    delayed); W's by an fp8 forward per tensor (its scale also Wᵀ's in backward). ``w_state``: instead of W's
+    history, its previous-absmax state (nn/weight_scale.py), used by that same forward."""
     fn = FUNCTIONS[r.fwd_fmt]
     hx, hw = (histories[0], histories[2]) if histories is not None else (None, None)
     y = xt = w_stat = None
     if want_xt:
-        y, xt, w_stat = fn.forward_gemm_and_xt(x2, w, r, out_dtype, hx, hw)
+        y, xt, w_stat = fn.forward_gemm_and_xt(x2, w, r, out_dtype, hx, hw, w_state)
     if y is None:
         y = fn.forward_gemm(x2, w, r, out_dtype, hx)
     if bias is not None:
@@ -191,7 +195,7 @@ class Fp8LinearFunction(_LowBitLinearFunction):
         return gemm(quantize(x2, r.specs.x, history=hx), quantize(w, r.specs.w), out_dtype, r.fast_accum)
 
     @staticmethod
-    def forward_gemm_and_xt(x2, w, r, out_dtype, hx=None, hw=None):
+    def forward_gemm_and_xt(x2, w, r, out_dtype, hx=None, hw=None, w_state=None):
         if r.backward_granularity != r.granularity:
             return None, None, None
         # the small weight first (its kernels are short: the host issues x's behind them), keeping what its
@@ -199,7 +203,10 @@ class Fp8LinearFunction(_LowBitLinearFunction):
         # absmax its scale came from, delayed or current: no absmax pass), then x for the forward and xᵀ for dW,
         # in two passes over x
         s = r.specs
-        wq = quantize(w, s.w_kept, history=hw)
+        if w_state is not None and s.w_kept.scaling == "delayed":
+            wq = quantize_weight_prev(w, s.w_kept.fmt, padded(w.shape[1], s.w_kept.pad_to), w_state)
+        else:
+            wq = quantize(w, s.w_kept, history=hw)
         xq, xt = quantize_pair(x2, s.x, s.xt, history=hx)
         return gemm(xq, wq, out_dtype, r.fast_accum), xt, wq.amax
 
@@ -219,7 +226,7 @@ class Fp4LinearFunction(_LowBitLinearFunction):
         return (gemm(xq, wq) + residual_matmul(resid, w)).to(out_dtype)
 
     @staticmethod
-    def forward_gemm_and_xt(x2, w, r, out_dtype, hx=None, hw=None):
+    def forward_gemm_and_xt(x2, w, r, out_dtype, hx=None, hw=None, w_state=None):
         # per-row E2M1 without outlier clamping (fp4): the fused 4-bit path
         if r.occ_alpha is not None or r.granularity != "row":
             return None, None, None
@@ -262,13 +269,16 @@ FUNCTIONS = {"e4m3": Fp8LinearFunction, "e2m1": Fp4LinearFunction, "int4_sym": I
 
 
 def lowbit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe,
-                  out_dtype: torch.dtype | None = None, histories=None) -> torch.Tensor:
+                  out_dtype: torch.dtype | None = None, histories=None,
+                  weight_state: torch.Tensor | None = None) -> torch.Tensor:
     """The functional form: y = x Wᵀ + b with the recipe's low-bit GEMMs, forward and backward.
 
     ``histories``: (x's, dy's, W's) nn.delayed.AmaxHistory, which a recipe with scaling="delayed" needs to train
     (LowBitLinear keeps them); ignored by other recipes. Without grad (evaluation) a delayed recipe without
-    histories scales as current scaling does. Under torch.compile delayed scaling is not applied: scales are
-    current (Inductor fuses the absmax into the ops around it) and the histories are left as they are.
+    histories scales as current scaling does. Under torch.compile the histories are not used: x's and dy's
+    scales are current (Inductor fuses the absmax into the ops around it), and W's comes from ``weight_state``
+    (nn/weight_scale.py: its previous absmax, kept on the device; LowBitLinear keeps it) where one is given, else
+    from its own absmax.
 
     Eager: an autograd Function with lpoptim's Triton quantizers. Under torch.compile the fp8 recipes trace the
     same Function through the reference's torch ops (Inductor generates and fuses the quantizers; its fp32
@@ -282,7 +292,7 @@ def lowbit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     # retraces the Function with feature dims made symbolic (one compiled function seeing several layer widths);
     # torch 2.13 does not (tests/test_linear_compile.py)
     if recipe.scaling != "delayed":
-        histories = None
+        histories = weight_state = None
     if torch.compiler.is_compiling():
         histories = None  # current scaling (see above)
         if recipe.fwd_fmt != "e4m3":
@@ -291,8 +301,10 @@ def lowbit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     elif recipe.scaling == "delayed" and histories is None and torch.is_grad_enabled():
         raise ValueError(f"recipe {recipe.name!r} uses delayed scaling, which keeps per-layer state: use "
                          "LowBitLinear (or convert_linears), or pass histories=")
+    else:
+        weight_state = None  # eager: W's history
     if histories is not None and len(histories) != 3:
         raise ValueError(f"histories: (x's, dy's, W's) AmaxHistory, got {len(histories)}")
     fn = FUNCTIONS[recipe.fwd_fmt]
     with _autocast_off(x.device.type):
-        return fn.apply(x, weight, bias, recipe, out_dtype, torch.is_grad_enabled(), histories)
+        return fn.apply(x, weight, bias, recipe, out_dtype, torch.is_grad_enabled(), histories, weight_state)

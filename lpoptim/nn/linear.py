@@ -2,7 +2,8 @@
 
 It is an nn.Linear subclass holding the very same ``weight`` and ``bias`` parameters (same dtype, same
 state_dict keys), so optimizers, checkpoints, weight tying and isinstance checks keep working; only the
-arithmetic of forward and backward changes.
+arithmetic of forward and backward changes. Its one buffer, ``weight_amax_state`` (three int32, not in the
+state_dict), is what a compiled layer with delayed scaling scales W by (nn/weight_scale.py).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.nn as nn
 from .delayed import ROLES, AmaxHistory, new_history
 from .functional import lowbit_linear
 from .recipes import DEFAULT_RECIPE, Recipe, get_recipe
+from .weight_scale import new_state
 
 
 def check_dims(in_features: int, out_features: int) -> None:
@@ -28,6 +30,8 @@ class LowBitLinear(nn.Linear):
         check_dims(in_features, out_features)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = get_recipe(recipe, **recipe_overrides)
+        # a buffer, so that it follows the layer's device (.to, FSDP2, to_empty: uninitialized slots are safe)
+        self.register_buffer("weight_amax_state", new_state(self.weight.device), persistent=False)
         self.reset_amax_history()
 
     @classmethod
@@ -38,6 +42,7 @@ class LowBitLinear(nn.Linear):
                 recipe=recipe, **recipe_overrides)
         m.weight = linear.weight
         m.bias = linear.bias
+        m.weight_amax_state = new_state(linear.weight.device)
         m.train(linear.training)
         return m
 
@@ -51,6 +56,8 @@ class LowBitLinear(nn.Linear):
         ``load_state_dict(..., assign=True)``) never runs on uninitialized slots. Loading weights, moving the layer
         to another device and ``reset_parameters`` start it afresh."""
         self.amax_history = None
+        if getattr(self, "weight_amax_state", None) is not None and self.weight_amax_state.device.type != "meta":
+            self.weight_amax_state.zero_()  # compiled: the next W takes its own absmax
         self._amax_calls = [0] * len(ROLES)  # quantizations of x, dy, W so far (on the host: no synchronization)
         self._amax_rings = None  # the AmaxHistory of each role over amax_history, made with it
 
@@ -80,7 +87,8 @@ class LowBitLinear(nn.Linear):
         return self._amax_rings
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return lowbit_linear(x, self.weight, self.bias, self.recipe, histories=self._histories())
+        return lowbit_linear(x, self.weight, self.bias, self.recipe, histories=self._histories(),
+                             weight_state=self.weight_amax_state if self.training else None)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}"

@@ -1,0 +1,71 @@
+"""A compiled layer's weight scale from its previous absmax: no absmax pass over W, nothing decided on the host.
+
+Per-tensor current scaling reads W twice in forward: once for its absmax, once to quantize it (a 7B model's
+weights are 13 GB of bf16, so the first read is ~4 ms of an H100 step). Under torch.compile the eager delayed
+scaling (nn/delayed.py) does not apply: its ring slots are chosen on the host, which a compiled graph, and a CUDA
+graph above all, would replay unchanged. A weight changes only by an optimizer step between two forwards, so its
+previous absmax is a close guess, kept on the device in three int32 slots (fp32 bits): the previous absmax, this
+quantization's own (an atomic maximum taken by the quantizing pass), and a ticket.
+
+The scale's absmax is HEADROOM × the previous absmax where W's own lies in [that / 2, that], else HEADROOM ×
+W's own (a second pass quantizes W again). So W never saturates and its scale is never more than twice its own
+absmax (one binade of E4M3's range at most); a first call (previous 0), weights loaded or edited in place, and
+uninitialized slots (a layer made on "meta", then ``to_empty``: not finite or negative counts as 0) all take W's
+own. HEADROOM: a weight's absmax grows a little most steps (an Adam step moves every element by up to a few lr);
+1/16 over the previous absmax covers that without a second pass, and costs 1/16 of E4M3's range at the top (its
+relative precision is the same over its normal range). The second pass takes it too, so the scale does not jump
+by 1/16 between a step that redid W and the next (a jump decorrelates W's rounding errors from one step to the
+next, which moved an H100 7B run's loss after its first step far more than the step's own update did).
+
+``quantize_weight_prev`` is a torch ``triton_op`` that mutates the state: on CUDA the Triton kernels
+(kernels/linear_quant.py, the rule above in two launches, the second doing nothing where the guess holds), which
+Inductor launches from its own code (a Python custom op cost the host ~80 us a layer, more than the pass it
+saves where the step is bound by the host); ``take_prev_ref`` elsewhere.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..formats import get_format
+from ..quant import finite_absmax
+from .operands import Operand, quantize_operand_ref
+
+HEADROOM = 17 / 16
+SLOTS = 3  # previous absmax, this call's own, the second launch's ticket
+
+
+def new_state(device=None) -> torch.Tensor:
+    """A weight's state before its first quantization (previous absmax 0: the first takes its own)."""
+    return torch.zeros(SLOTS, dtype=torch.int32, device=device)
+
+
+def take_prev_ref(state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Reference: the absmax to scale this quantization of ``w`` by (0-dim fp32; the rule in the module
+    docstring), moving w's own finite absmax into the state's first slot."""
+    prev = state[0].view(torch.float32).float()
+    prev = torch.where((prev >= 0) & (prev <= torch.finfo(torch.float32).max), prev, 0.0) * HEADROOM
+    own = finite_absmax(w.float()).reshape(()).to(prev.device)
+    used = torch.where((own > prev) | (prev > 2 * own), own * HEADROOM, prev)
+    state.copy_(torch.stack([own.view(torch.int32), *state.new_zeros(2)]))
+    return used
+
+
+@torch.library.triton_op("lpoptim::quantize_weight_prev", mutates_args=("state",))
+def _quantize_weight_prev(w: torch.Tensor, state: torch.Tensor, fmt: str,
+                          cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if w.is_cuda and w.numel():
+        from ..kernels.linear_quant import quantize_weight_prev as kernels
+        return kernels(w, fmt, cols, state, torch.library.wrap_triton)
+    used = take_prev_ref(state, w)
+    op = quantize_operand_ref(w, fmt, "tensor", None, cols, used)
+    return op.values, op.scale.reshape(()), used
+
+
+def quantize_weight_prev(w: torch.Tensor, fmt, cols: int, state: torch.Tensor) -> Operand:
+    """W (N, K) quantized per tensor into rows of ``cols`` with the scale the state's rule gives; the Operand's
+    ``amax`` is the absmax that scale came from (what the backward's Wᵀ takes)."""
+    if state.shape != (SLOTS,) or state.dtype != torch.int32 or state.device != w.device:
+        raise ValueError(f"the weight's scale state is ({SLOTS},) int32 on {w.device}, got {tuple(state.shape)} "
+                         f"{state.dtype} on {state.device}")
+    values, scale, used = _quantize_weight_prev(w, state, get_format(fmt).name, cols)
+    return Operand(values, scale, used)
