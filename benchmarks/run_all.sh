@@ -31,7 +31,7 @@ for w in $what; do
       $H llama2-7b --compile --steps 8 --warmup 3 --out "$OUT/hf_7b_budget30" --recipes torch+bf16,prepare+bf16 --budget-gib 30
       $H llama2-7b --compile --steps 8 --warmup 3 --out "$OUT/hf_7b_cuda_graphs" --recipes torch+bf16,torch+bf16+cg,prepare+bf16,prepare+bf16+cg,lpoptim+bf16+fp8_delayed+act+attn+bwd+ce+cg
       $H llama2-7b --steps 5 --warmup 2 --out "$OUT/hf_7b_eager" --recipes torch+bf16,torch+bf16+ckpt,lpoptim+bf16+bwd+ce,prepare+bf16,lpoptim+bf16+fp8_delayed+bwd+ce,lpoptim+bf16+act+bwd+ce
-      $H llama2-7b --compile --steps 8 --warmup 3 --out "$OUT/hf_7b_s4_budget24" --recipes torch+bf16,prepare+bf16+s4 --budget-gib 24
+      $H llama2-7b --compile --steps 8 --warmup 3 --out "$OUT/hf_7b_s4_budget24" --recipes torch+bf16,prepare+bf16+s4,prepare+bf16+s4+cg --budget-gib 24
       $H llama2-7b --compile --batch 4 --steps 5 --warmup 2 --out "$OUT/hf_7b_batch4" --recipes torch+bf16+ckpt,prepare+bf16,lpoptim+bf16+fp8_delayed+act+bwd+ce
       $H llama2-7b --compile --batch 4 --steps 5 --warmup 2 --out "$OUT/hf_7b_batch4_budget40" --recipes torch+bf16+ckpt,prepare+bf16 --budget-gib 40
       $H llama2-13b --compile --steps 5 --warmup 2 --out "$OUT/hf_13b" --recipes torch+bf16+ckpt,prepare+bf16,lpoptim+bf16+fp8_delayed+bwd+ce+sac50

@@ -142,6 +142,12 @@ def build(stack: Stack, cfg: LlamaConfig, device: str, compile_blocks: bool):
         from .nn import convert_linears
 
         convert_linears(model, stack.linears)
+    if stack.cuda_graphs:  # as prepare(cuda_graphs=True): the weight scale kept on the device (nn/linear.py)
+        from .nn import LowBitLinear
+
+        for m in model.modules():
+            if isinstance(m, LowBitLinear):
+                m.previous_weight_scale = True
     # FP8 activations on compiled blocks: the wrapper calls each block's compiled forward (no graph break per call)
     wrapper_compiles = stack.compress and compile_blocks
     if compile_blocks and not wrapper_compiles:

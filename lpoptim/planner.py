@@ -436,12 +436,12 @@ class _CompileOnRemove:
     """Plan.remove()'s last word on blocks whose compiled forward the FP8-activation wrapper held: compile them
     as prepare compiles unwrapped blocks, so removing the wrapper leaves them compiled."""
 
-    def __init__(self, blocks):
-        self.blocks = list(blocks)
+    def __init__(self, blocks, mode=None):
+        self.blocks, self.mode = list(blocks), mode
 
     def remove(self) -> None:
         for block in self.blocks:
-            block.compile()
+            block.compile(mode=self.mode)
         self.blocks = []
 
 
@@ -469,6 +469,10 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
     if result.linears:
         for block in stack:
             convert_linears(block, result.linears)
+            if result.cuda_graphs:  # the weight scale kept on the device (LowBitLinear says why only here)
+                for m in block.modules():
+                    if isinstance(m, LowBitLinear):
+                        m.previous_weight_scale = True
     wrapped = result.activations in ACTIVATIONS[1:]
     if wrapped:  # compiled, the wrapper calls each block's compiled forward (wrap.py: no graph break per call)
         result.handles.append(compress_activations(
@@ -476,7 +480,8 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
             compile={"mode": "reduce-overhead"} if result.cuda_graphs else result.compile,
             attention="fp8" if result.activations == "fp8_attention" else "keep"))
         if result.compile:
-            result.handles.append(_CompileOnRemove(stack))  # the blocks stay compiled without the wrapper
+            # the blocks stay compiled (as graphs where asked) without the wrapper
+            result.handles.append(_CompileOnRemove(stack, "reduce-overhead" if result.cuda_graphs else None))
     elif result.compile:
         for block in stack:
             block.compile(mode="reduce-overhead" if result.cuda_graphs else None)

@@ -211,6 +211,8 @@ def test_compile_option_takes_torch_compile_arguments(monkeypatch):
     handle.remove()
     with pytest.raises(TypeError, match="dict of torch.compile arguments"):
         compress_activations(blocks, compile="reduce-overhead")
+    with pytest.raises(ValueError, match="outside the CUDA graphs"):
+        compress_activations(blocks, compile={"mode": "reduce-overhead"}, recompute=True)
     assert not any("forward" in vars(b) for b in blocks)
 
 

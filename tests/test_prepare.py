@@ -936,7 +936,8 @@ def test_ddp_model_steps_after_backward(tmp_path, monkeypatch):
 def test_cuda_graphs_train_as_the_compiled_blocks(activations):
     """prepare(cuda_graphs=True): every compiled block is captured (Inductor skips none) and the usual loop
     trains as with the compiled blocks alone: the same losses and parameters, bf16 with stochastic rounding;
-    with FP8 activations too (their wrapper compiles the blocks, packing inside the graphs)."""
+    with FP8 activations too (their wrapper compiles the blocks, packing inside the graphs). Graphs also set the
+    FP8 layers' previous_weight_scale, which the run without them is given by hand."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from torch._dynamo.utils import counters
@@ -949,6 +950,11 @@ def test_cuda_graphs_train_as_the_compiled_blocks(activations):
         model = _tiny_llama(num_hidden_layers=3).to("cuda", torch.bfloat16)
         opt = prepare(model, lr=1e-3, cuda_graphs=graphs, activations=activations)
         assert opt.plan.cuda_graphs is graphs and ("as CUDA graphs" in opt.plan.summary()) is graphs
+        from lpoptim.nn import LowBitLinear
+        lowbit = [m for m in model.modules() if isinstance(m, LowBitLinear)]
+        assert lowbit and all(m.previous_weight_scale is graphs for m in lowbit)
+        for m in lowbit:  # what graphs set, without them too: the same numerics, so the same bits
+            m.previous_weight_scale = True
         gen = torch.Generator(device="cuda").manual_seed(1)
         losses = []
         for _ in range(5):

@@ -80,6 +80,7 @@ def test_compiled_layer_keeps_the_state():
     counters.clear()
     torch.manual_seed(0)
     m = LowBitLinear(64, 48, recipe="fp8_delayed")
+    m.previous_weight_scale = True
     exact = torch.nn.Linear(64, 48)
     exact.load_state_dict(m.state_dict())
     run = torch.compile(m)
@@ -101,3 +102,16 @@ def test_compiled_layer_keeps_the_state():
     m.load_state_dict(exact.state_dict())
     assert m.weight_amax_state.eq(0).all()
     torch._dynamo.reset()
+
+
+def test_state_is_zeroed_when_moved_or_materialized():
+    """to_empty leaves uninitialized memory: the first launch's atomic maximum would start from it (slot 1), so
+    every _apply (to_empty, .to, casts) zeroes the state: the next W takes its own absmax."""
+    with torch.device("meta"):
+        m = LowBitLinear(64, 48, recipe="fp8_delayed")
+    m.to_empty(device="cpu")
+    assert m.weight_amax_state.eq(0).all()
+    m.weight_amax_state.fill_(12345)
+    m.to(torch.bfloat16)
+    assert m.weight_amax_state.eq(0).all() and m.weight_amax_state.dtype == torch.int32
+    assert not LowBitLinear.previous_weight_scale  # off unless asked (CUDA graphs: prepare sets it)

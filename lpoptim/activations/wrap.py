@@ -115,6 +115,9 @@ def compress_activations(blocks: nn.Module | Iterable[nn.Module], policy: Activa
         policy = ActivationPolicy(**options)
     elif options:
         raise TypeError("pass either policy= or keyword options, not both")
+    if isinstance(compile, dict) and compile.get("mode") in ("reduce-overhead", "max-autotune") and policy.recompute:
+        raise ValueError(f"compress_activations: recompute=True runs each block again inside backward, outside the "
+                         f"CUDA graphs of compile mode {compile['mode']!r}: not supported")
     mods = _as_blocks(blocks)
     for b in mods:
         if is_wrapped(b):

@@ -345,6 +345,7 @@ def _quant_tensor_kernel(x_ptr, amax_ptr, row_ptr, row_scale_ptr, col_ptr, col_s
                     _quantize_store(x_ptr, cols, rows, stride_c, stride_r, C, R, col_ptr, RP, col_scale_ptr, used,
                                     tile == 0, COL_FMT, ON_GPU, False)
         if PREV:  # acq_rel: every program has read the slots before the last one takes its ticket and moves them
+            tl.debug_barrier()  # (the scalar atomic runs on one thread: the program's other threads read first)
             if tl.atomic_add(hist_ptr + HIST_OFFSET + Z_SLOT, 1) == tl.num_programs(0) - 1:
                 tl.store(hist_ptr + HIST_OFFSET, own.to(tl.int32, bitcast=True))
                 tl.store(hist_ptr + HIST_OFFSET + W_SLOT, 0)

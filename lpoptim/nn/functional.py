@@ -277,8 +277,8 @@ def lowbit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     (LowBitLinear keeps them); ignored by other recipes. Without grad (evaluation) a delayed recipe without
     histories scales as current scaling does. Under torch.compile the histories are not used: x's and dy's
     scales are current (Inductor fuses the absmax into the ops around it), and W's comes from ``weight_state``
-    (nn/weight_scale.py: its previous absmax, kept on the device; LowBitLinear keeps it) where one is given, else
-    from its own absmax.
+    (nn/weight_scale.py: its previous absmax, kept on the device; LowBitLinear passes it where its
+    previous_weight_scale is set) where one is given, else from its own absmax.
 
     Eager: an autograd Function with lpoptim's Triton quantizers. Under torch.compile the fp8 recipes trace the
     same Function through the reference's torch ops (Inductor generates and fuses the quantizers; its fp32

@@ -3,7 +3,8 @@
 It is an nn.Linear subclass holding the very same ``weight`` and ``bias`` parameters (same dtype, same
 state_dict keys), so optimizers, checkpoints, weight tying and isinstance checks keep working; only the
 arithmetic of forward and backward changes. Its one buffer, ``weight_amax_state`` (three int32, not in the
-state_dict), is what a compiled layer with delayed scaling scales W by (nn/weight_scale.py).
+state_dict), is what a compiled layer with delayed scaling scales W by where ``previous_weight_scale`` is set
+(nn/weight_scale.py).
 """
 from __future__ import annotations
 
@@ -25,12 +26,20 @@ def check_dims(in_features: int, out_features: int) -> None:
 
 
 class LowBitLinear(nn.Linear):
+    # Compiled, with delayed scaling: W scaled by its previous absmax kept on the device (nn/weight_scale.py), one
+    # read of W in forward instead of two. Off by default: its two launches a layer cost the host more than the
+    # pass saves where the host bounds the step (measured slower on an H100, HF Llama-2-7B compiled with FP8
+    # activations and 4-bit states); as CUDA graphs, which take the launches off the host, it pays
+    # (prepare(cuda_graphs=True) sets it). Not with recompute (activation checkpointing): the recomputed forward
+    # would take the scale the first one left, not the one it took.
+    previous_weight_scale = False
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  recipe: str | Recipe = DEFAULT_RECIPE, **recipe_overrides):
         check_dims(in_features, out_features)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = get_recipe(recipe, **recipe_overrides)
-        # a buffer, so that it follows the layer's device (.to, FSDP2, to_empty: uninitialized slots are safe)
+        # a buffer, so that it follows the layer's device (.to, FSDP2, to_empty: _apply zeroes it)
         self.register_buffer("weight_amax_state", new_state(self.weight.device), persistent=False)
         self.reset_amax_history()
 
@@ -61,6 +70,14 @@ class LowBitLinear(nn.Linear):
         self._amax_calls = [0] * len(ROLES)  # quantizations of x, dy, W so far (on the host: no synchronization)
         self._amax_rings = None  # the AmaxHistory of each role over amax_history, made with it
 
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        state = self.__dict__.get("_buffers", {}).get("weight_amax_state")
+        if state is not None and state.device.type != "meta":
+            with torch.no_grad():
+                state.zero_()  # moved, cast or materialized (to_empty: uninitialized): the next W takes its own
+        return self
+
     def reset_parameters(self) -> None:
         super().reset_parameters()
         if hasattr(self, "recipe"):  # nn.Linear.__init__ calls this before the recipe is set
@@ -88,7 +105,8 @@ class LowBitLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return lowbit_linear(x, self.weight, self.bias, self.recipe, histories=self._histories(),
-                             weight_state=self.weight_amax_state if self.training else None)
+                             weight_state=self.weight_amax_state if self.training and self.previous_weight_scale
+                             else None)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}"

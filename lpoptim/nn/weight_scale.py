@@ -17,10 +17,14 @@ relative precision is the same over its normal range). The second pass takes it 
 by 1/16 between a step that redid W and the next (a jump decorrelates W's rounding errors from one step to the
 next, which moved an H100 7B run's loss after its first step far more than the step's own update did).
 
+Used where LowBitLinear.previous_weight_scale is set (prepare(cuda_graphs=True) sets it; that attribute says
+why only there), not with recompute: a recomputed forward would find the state moved by the first one.
+
 ``quantize_weight_prev`` is a torch ``triton_op`` that mutates the state: on CUDA the Triton kernels
 (kernels/linear_quant.py, the rule above in two launches, the second doing nothing where the guess holds), which
 Inductor launches from its own code (a Python custom op cost the host ~80 us a layer, more than the pass it
-saves where the step is bound by the host); ``take_prev_ref`` elsewhere.
+saves where the step is bound by the host; Inductor's own launches still cost it some); ``take_prev_ref``
+elsewhere.
 """
 from __future__ import annotations
 
