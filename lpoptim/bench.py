@@ -141,13 +141,8 @@ def build(stack: Stack, cfg: LlamaConfig, device: str, compile_blocks: bool):
     elif stack.linears:
         from .nn import convert_linears
 
-        convert_linears(model, stack.linears)
-    if stack.cuda_graphs:  # as prepare(cuda_graphs=True): the weight scale kept on the device (nn/linear.py)
-        from .nn import LowBitLinear
-
-        for m in model.modules():
-            if isinstance(m, LowBitLinear):
-                m.previous_weight_scale = True
+        # as prepare(cuda_graphs=True): as graphs, the weight scale kept on the device (nn/linear.py)
+        convert_linears(model, stack.linears, previous_weight_scale=stack.cuda_graphs)
     # FP8 activations on compiled blocks: the wrapper calls each block's compiled forward (no graph break per call)
     wrapper_compiles = stack.compress and compile_blocks
     if compile_blocks and not wrapper_compiles:

@@ -466,25 +466,21 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
     stack = model.get_submodule(result.blocks)
     if result.use_cache_off:
         _unwrapped(model).config.use_cache = False
+    mode = "reduce-overhead" if result.cuda_graphs else None  # torch.compile's, for CUDA graphs
     if result.linears:
-        for block in stack:
-            convert_linears(block, result.linears)
-            if result.cuda_graphs:  # the weight scale kept on the device (LowBitLinear says why only here)
-                for m in block.modules():
-                    if isinstance(m, LowBitLinear):
-                        m.previous_weight_scale = True
+        for block in stack:  # as graphs, the weight scale kept on the device (LowBitLinear says why only there)
+            convert_linears(block, result.linears, previous_weight_scale=result.cuda_graphs)
     wrapped = result.activations in ACTIVATIONS[1:]
     if wrapped:  # compiled, the wrapper calls each block's compiled forward (wrap.py: no graph break per call)
         result.handles.append(compress_activations(
             stack, recompute=result.activations == "recompute",
-            compile={"mode": "reduce-overhead"} if result.cuda_graphs else result.compile,
+            compile={"mode": mode} if result.cuda_graphs else result.compile,
             attention="fp8" if result.activations == "fp8_attention" else "keep"))
         if result.compile:
-            # the blocks stay compiled (as graphs where asked) without the wrapper
-            result.handles.append(_CompileOnRemove(stack, "reduce-overhead" if result.cuda_graphs else None))
+            result.handles.append(_CompileOnRemove(stack, mode))  # the blocks stay compiled without the wrapper
     elif result.compile:
         for block in stack:
-            block.compile(mode="reduce-overhead" if result.cuda_graphs else None)
+            block.compile(mode=mode)
             if isinstance(result.activations, float):
                 block._compiled_call_impl = _WithActivationBudget(block._compiled_call_impl, result.activations)
     if result.chunked_loss:

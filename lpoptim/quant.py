@@ -218,6 +218,10 @@ def legacy_k_of(code: torch.Tensor) -> torch.Tensor:
 
 
 FP32_MIN_NORMAL = 2.0 ** -126
+# a compiled layer's weight scale from its previous absmax (nn/weight_scale.py says why these): the headroom over
+# that absmax, and the state's int32 slots (previous absmax, this call's own, the second launch's ticket)
+PREV_ABSMAX_HEADROOM = 17 / 16
+PREV_SLOTS = 3
 
 
 def pack_scale(amax: torch.Tensor, code: torch.Tensor) -> torch.Tensor:

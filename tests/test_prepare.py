@@ -950,7 +950,6 @@ def test_cuda_graphs_train_as_the_compiled_blocks(activations):
         model = _tiny_llama(num_hidden_layers=3).to("cuda", torch.bfloat16)
         opt = prepare(model, lr=1e-3, cuda_graphs=graphs, activations=activations)
         assert opt.plan.cuda_graphs is graphs and ("as CUDA graphs" in opt.plan.summary()) is graphs
-        from lpoptim.nn import LowBitLinear
         lowbit = [m for m in model.modules() if isinstance(m, LowBitLinear)]
         assert lowbit and all(m.previous_weight_scale is graphs for m in lowbit)
         for m in lowbit:  # what graphs set, without them too: the same numerics, so the same bits

@@ -104,6 +104,18 @@ def test_compiled_layer_keeps_the_state():
     torch._dynamo.reset()
 
 
+def test_convert_linears_sets_it_where_asked():
+    """convert_linears(..., previous_weight_scale=True) sets the flag on the layers it converts (what prepare with
+    cuda_graphs=True asks); off by default."""
+    from lpoptim.nn import LowBitLinear, convert_linears
+
+    for on in (False, True):
+        model = convert_linears(torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 32)), "fp8_delayed",
+                                previous_weight_scale=on)
+        layers = [m for m in model if isinstance(m, LowBitLinear)]
+        assert len(layers) == 2 and all(m.previous_weight_scale is on for m in layers)
+
+
 def test_state_is_zeroed_when_moved_or_materialized():
     """to_empty leaves uninitialized memory: the first launch's atomic maximum would start from it (slot 1), so
     every _apply (to_empty, .to, casts) zeroes the state: the next W takes its own absmax."""

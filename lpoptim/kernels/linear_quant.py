@@ -22,6 +22,7 @@ import triton.language as tl
 from ..formats import IntFormat, container_dtype, get_format
 from ..hadamard import hadamard_pm1, inv_sqrt
 # unaliased: Inductor copies a kernel's dependencies under their own names (wrap_triton, nn/weight_scale.py)
+from ..quant import PREV_ABSMAX_HEADROOM, PREV_SLOTS
 from ..quant import absmax_scale as absmax_scale_ref
 from .grid import absmax_scale
 from .grid import div_rn_by, finite_abs, fp8_bits, interpreted, round_to_grid
@@ -284,7 +285,7 @@ def _quant_whole_rows_kernel(x_ptr, out_ptr, scale_ptr, tmax_ptr, R, C, CP, stri
              mask=(rows[:, None] < R) & (cols[None, :] < CP))
 
 
-PREV_HEADROOM = tl.constexpr(17 / 16)  # nn/weight_scale.py HEADROOM (that file says why)
+PREV_HEADROOM = tl.constexpr(PREV_ABSMAX_HEADROOM)  # nn/weight_scale.py says why
 
 
 # the history slots change every call: specialized (== 1, divisible by 16) they would compile a variant each
@@ -392,17 +393,24 @@ def _quantize_store(x_ptr, a, b, stride_a, stride_b, A, B, out_ptr, OUT_W, scale
     return 0.0
 
 
-@functools.cache
-def _tensor_launch(row_fmt, col_fmt, slots: int, store_used: bool, interp: bool):
-    """What quantize_tensor_rows_cols launches for one configuration (formats or None for a copy not written; the
-    history's length, 0: no history; whether the used absmax is stored), worked out once: (the first launch, the
-    second (REDO) launch or None, the tile (block_r, block_c), the copies' container dtypes)."""
-    delayed = slots > 0
-    tune = TUNING["delayed" if delayed else "tensor"]
+def _tensor_constexprs(row_fmt, col_fmt, slots: int, store_used: bool, interp: bool, prev: bool = False):
+    """(_quant_tensor_kernel's constexprs but DELAYED and REDO, its tuning) for one configuration (formats or None
+    for a copy not written; the history's slots, 0: no history; whether the used absmax is stored; PREV)."""
+    tune = TUNING["delayed" if slots else "tensor"]
     consts = dict(ROW_FMT=None if row_fmt is None else _format_constexprs(row_fmt),
                   COL_FMT=None if col_fmt is None else _format_constexprs(col_fmt), BLOCK_R=tune["block_r"],
                   BLOCK_C=tune["block_c"], ON_GPU=not interp, N_SLOTS=max(slots, 1),
-                  SLOTS_P2=next_power_of_2(max(slots, 1)), STORE_USED=store_used)
+                  SLOTS_P2=next_power_of_2(max(slots, 1)), STORE_USED=store_used, PREV=prev)
+    return consts, tune
+
+
+@functools.cache
+def _tensor_launch(row_fmt, col_fmt, slots: int, store_used: bool, interp: bool):
+    """What quantize_tensor_rows_cols launches for one configuration (_tensor_constexprs' arguments), worked out
+    once: (the first launch, the second (REDO) launch or None, the tile (block_r, block_c), the copies' container
+    dtypes)."""
+    delayed = slots > 0
+    consts, tune = _tensor_constexprs(row_fmt, col_fmt, slots, store_used, interp)
     run = launcher(_quant_tensor_kernel)
     first = run.bind(tune["num_warps"], DELAYED=delayed, REDO=False, **consts)
     redo = run.bind(tune["num_warps"], DELAYED=False, REDO=True, **consts) if delayed else None
@@ -515,10 +523,7 @@ def quantize_weight_prev(w: torch.Tensor, fmt, cols: int, state: torch.Tensor, w
     launches the kernels from its own code, no Python per call), else None (launched here)."""
     fmt = get_format(fmt)
     R, C = w.shape
-    tune = TUNING["delayed"]
-    consts = dict(ROW_FMT=_format_constexprs(fmt), COL_FMT=None, BLOCK_R=tune["block_r"], BLOCK_C=tune["block_c"],
-                  ON_GPU=not interpreted(), N_SLOTS=3, SLOTS_P2=4, STORE_USED=True, PREV=True,
-                  num_warps=tune["num_warps"])
+    consts, tune = _tensor_constexprs(fmt, None, PREV_SLOTS, True, interpreted(), prev=True)
     values = torch.empty((R, cols), device=w.device, dtype=container_dtype(fmt))
     scale = torch.empty((), device=w.device, dtype=torch.float32)
     used = torch.empty((), device=w.device, dtype=torch.float32)
@@ -526,6 +531,7 @@ def quantize_weight_prev(w: torch.Tensor, fmt, cols: int, state: torch.Tensor, w
     args = (w, used, values, scale, values, scale, R, C, R, cols, w.stride(0), w.stride(1), state, 0, 1, 2)
     grid = (cdiv(R, tune["block_r"]), cdiv(max(C, cols), tune["block_c"]))
     kernel = _quant_tensor_kernel if wrap is None else wrap(_quant_tensor_kernel)
-    kernel[grid](*args, DELAYED=True, REDO=False, **consts)
-    kernel[(min(grid[0] * grid[1], _redo_programs(w.device)),)](*args, DELAYED=False, REDO=True, **consts)
+    kernel[grid](*args, DELAYED=True, REDO=False, num_warps=tune["num_warps"], **consts)
+    kernel[(min(grid[0] * grid[1], _redo_programs(w.device)),)](*args, DELAYED=False, REDO=True,
+                                                                 num_warps=tune["num_warps"], **consts)
     return values, scale, used

@@ -20,7 +20,8 @@ def _embedding_weights(model: nn.Module) -> set[int]:
 
 def convert_linears(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *,
                     filter_fn: Callable[[nn.Module, str], bool] | None = None,
-                    skip: tuple[str, ...] = DEFAULT_SKIP, skip_tied: bool = True, **recipe_overrides) -> nn.Module:
+                    skip: tuple[str, ...] = DEFAULT_SKIP, skip_tied: bool = True, previous_weight_scale: bool = False,
+                    **recipe_overrides) -> nn.Module:
     """Replace every nn.Linear of ``model`` (in place) by a LowBitLinear running ``recipe``; returns ``model``.
 
     recipe: a name of lpoptim.nn.RECIPES (default "fp8_delayed": fp8 scaled per tensor from recent absmax values)
@@ -29,6 +30,8 @@ def convert_linears(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *,
       is shared with an nn.Embedding when ``skip_tied`` (a tied head), and layers with a feature dim not divisible
       by 16 (with a warning). Embeddings are not Linear and are never touched.
     filter_fn(module, fqn) -> bool: when given, a layer is converted only if it also returns True.
+    previous_weight_scale: set on the converted layers (LowBitLinear says what it does, and why only with CUDA
+      graphs).
     Parameters are shared, not copied: an optimizer built before the conversion still holds the right tensors.
     """
     if not isinstance(model, nn.Module):
@@ -53,7 +56,9 @@ def convert_linears(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *,
     for fqn in todo:
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, cls.from_linear(getattr(parent, child), recipe))
+        layer = cls.from_linear(getattr(parent, child), recipe)
+        layer.previous_weight_scale = previous_weight_scale
+        setattr(parent, child, layer)
     return model
 
 

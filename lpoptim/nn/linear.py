@@ -65,14 +65,15 @@ class LowBitLinear(nn.Linear):
         ``load_state_dict(..., assign=True)``) never runs on uninitialized slots. Loading weights, moving the layer
         to another device and ``reset_parameters`` start it afresh."""
         self.amax_history = None
-        if getattr(self, "weight_amax_state", None) is not None and self.weight_amax_state.device.type != "meta":
-            self.weight_amax_state.zero_()  # compiled: the next W takes its own absmax
+        state = self._buffers.get("weight_amax_state")
+        if state is not None and state.device.type != "meta":
+            state.zero_()  # compiled: the next W takes its own absmax
         self._amax_calls = [0] * len(ROLES)  # quantizations of x, dy, W so far (on the host: no synchronization)
         self._amax_rings = None  # the AmaxHistory of each role over amax_history, made with it
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        state = self.__dict__.get("_buffers", {}).get("weight_amax_state")
+        state = self._buffers.get("weight_amax_state")
         if state is not None and state.device.type != "meta":
             with torch.no_grad():
                 state.zero_()  # moved, cast or materialized (to_empty: uninitialized): the next W takes its own

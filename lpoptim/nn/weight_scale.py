@@ -1,7 +1,7 @@
 """A compiled layer's weight scale from its previous absmax: no absmax pass over W, nothing decided on the host.
 
 Per-tensor current scaling reads W twice in forward: once for its absmax, once to quantize it (a 7B model's
-weights are 13 GB of bf16, so the first read is ~4 ms of an H100 step). Under torch.compile the eager delayed
+weights are 13 GB of bf16: each read takes milliseconds of an H100 step). Under torch.compile the eager delayed
 scaling (nn/delayed.py) does not apply: its ring slots are chosen on the host, which a compiled graph, and a CUDA
 graph above all, would replay unchanged. A weight changes only by an optimizer step between two forwards, so its
 previous absmax is a close guess, kept on the device in three int32 slots (fp32 bits): the previous absmax, this
@@ -22,20 +22,18 @@ why only there), not with recompute: a recomputed forward would find the state m
 
 ``quantize_weight_prev`` is a torch ``triton_op`` that mutates the state: on CUDA the Triton kernels
 (kernels/linear_quant.py, the rule above in two launches, the second doing nothing where the guess holds), which
-Inductor launches from its own code (a Python custom op cost the host ~80 us a layer, more than the pass it
-saves where the step is bound by the host; Inductor's own launches still cost it some); ``take_prev_ref``
-elsewhere.
+Inductor launches from its own code rather than through a Python custom op (whose launches ran on the host on
+every call); ``take_prev_ref`` elsewhere.
 """
 from __future__ import annotations
 
 import torch
 
 from ..formats import get_format
+from ..quant import PREV_ABSMAX_HEADROOM as HEADROOM
+from ..quant import PREV_SLOTS as SLOTS  # previous absmax, this call's own, the second launch's ticket
 from ..quant import finite_absmax
 from .operands import Operand, quantize_operand_ref
-
-HEADROOM = 17 / 16
-SLOTS = 3  # previous absmax, this call's own, the second launch's ticket
 
 
 def new_state(device=None) -> torch.Tensor:
@@ -46,9 +44,9 @@ def new_state(device=None) -> torch.Tensor:
 def take_prev_ref(state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Reference: the absmax to scale this quantization of ``w`` by (0-dim fp32; the rule in the module
     docstring), moving w's own finite absmax into the state's first slot."""
-    prev = state[0].view(torch.float32).float()
+    prev = state[0].view(torch.float32)
     prev = torch.where((prev >= 0) & (prev <= torch.finfo(torch.float32).max), prev, 0.0) * HEADROOM
-    own = finite_absmax(w.float()).reshape(()).to(prev.device)
+    own = finite_absmax(w.float()).reshape(())
     used = torch.where((own > prev) | (prev > 2 * own), own * HEADROOM, prev)
     state.copy_(torch.stack([own.view(torch.int32), *state.new_zeros(2)]))
     return used
