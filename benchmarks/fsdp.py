@@ -22,8 +22,10 @@ in bf16, their own dtype; lpoptim rounds the update stochastically);
 ``+act`` adds compress_activations on every block; ``+s4`` keeps lpoptim's moments in 4 bits (state_bits=4).
 ``prepare`` (``+bf16``: bf16 parameters) converts the blocks' linears to FP8 before sharding (on GPUs with FP8
 tensor cores) and calls ``lpoptim.prepare`` after ``fully_shard``: blocks compiled, the step in backward, the head
-and loss chunked. ``--compile`` compiles the blocks of the torch and lpoptim runs too. Each run is compared with the
-first of --optimizers that ran (``torch`` by default; a run out of memory is recorded as such).
+and loss chunked. ``--compile`` compiles the blocks of the torch and lpoptim runs too. ``--blocks-per-shard 1,4``
+shards consecutive blocks in groups of that size (one ``fully_shard`` call on the list: one all-gather and one
+reduce-scatter per group), every run once per size (named ``torch@4`` and so on where there are several). Each run
+is compared with the first that ran (``torch`` by default; a run out of memory is recorded as such).
 """
 from __future__ import annotations
 
@@ -54,11 +56,15 @@ from lpoptim.stack import Stack, parse_stack  # noqa: E402
 from lpoptim.train.llama import PRESETS, Llama, LlamaConfig  # noqa: E402
 
 try:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 except ImportError:  # torch < 2.6
-    from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 TARGETS = {"peak_ratio_max": 0.55, "tokens_ratio_min": 0.95}
+
+
+def positive_int_list(text: str) -> list[int]:
+    return [positive_int(x) for x in text.split(",")]
 
 
 # the model is lpoptim.train.llama's (what `lpoptim bench` times); "small" is a CPU smoke test
@@ -76,7 +82,9 @@ CONFIGS = {
 
 
 def build(c: LlamaConfig, device: torch.device, mesh, ac: bool, master: str = "fp32", linears: str | None = None,
-          bf16_reduce: bool = False) -> Llama:
+          bf16_reduce: bool = False, blocks_per_shard: int = 1) -> Llama:
+    """The model on ``mesh``: consecutive blocks sharded ``blocks_per_shard`` at a time (one ``fully_shard`` call on
+    the list: one all-gather and one reduce-scatter for them all, their hooks run once), then the root."""
     with torch.device("meta"):
         model = Llama(c)
     if master == "bf16":
@@ -91,8 +99,10 @@ def build(c: LlamaConfig, device: torch.device, mesh, ac: bool, master: str = "f
     # back (twice the bytes on the wire); --bf16-reduce reduces them as they are
     reduce = None if bf16_reduce and master == "bf16" else torch.float32
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if master == "fp32" else None, reduce_dtype=reduce)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    layers = list(model.layers)
+    for i in range(0, len(layers), blocks_per_shard):
+        group = layers[i:i + blocks_per_shard]
+        fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(1234 + dist.get_rank())
@@ -126,7 +136,7 @@ def optimizer_run(opt_name: str) -> Stack:
     return stack
 
 
-def run_one(opt_name: str, c: LlamaConfig, args, device, mesh) -> dict:
+def run_one(opt_name: str, c: LlamaConfig, args, device, mesh, blocks_per_shard: int = 1) -> dict:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -137,7 +147,7 @@ def run_one(opt_name: str, c: LlamaConfig, args, device, mesh) -> dict:
     # after fully_shard with its own choices (blocks compiled on CUDA, the step in backward)
     fp8 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
     model = build(c, device, mesh, args.ac, stack.master, "fp8_delayed" if base == "prepare" and fp8 else None,
-                  args.bf16_reduce)
+                  args.bf16_reduce, blocks_per_shard)
     if stack.compress:  # compiled: the wrapper calls each block's compiled forward
         lpoptim.compress_activations(model.layers, compile=args.compile)
     params = list(model.parameters())
@@ -171,6 +181,8 @@ def run_one(opt_name: str, c: LlamaConfig, args, device, mesh) -> dict:
             times.append(time.perf_counter() - t0)
         losses.append(loss.item())
     n_params = sum(p.numel() for p in params)
+    # fully_shard units (the root's included): a list sharded in one call is one unit, its modules share a state
+    units = len({id(m._get_fsdp_state()) for m in model.modules() if isinstance(m, FSDPModule)})
     state_local = sum(lpdist.local(t).numel() * t.element_size() for st in opt.state.values()
                       for t in st.values() if torch.is_tensor(t))
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
@@ -181,6 +193,8 @@ def run_one(opt_name: str, c: LlamaConfig, args, device, mesh) -> dict:
     gc.collect()
     return {
         "optimizer": opt_name,
+        "blocks_per_shard": blocks_per_shard,
+        "fsdp_units": units,
         "params": n_params,
         "peak_gib_per_gpu": stats[0].item() / 2**30 if device.type == "cuda" else None,
         "state_gib_per_gpu": stats[2].item() / 2**30,
@@ -196,8 +210,8 @@ def compared(name: str, c: LlamaConfig, runs: dict) -> dict:
     """One model's entry: its runs, each compared with the first that ran (torch AdamW by default; one out of
     memory is no baseline)."""
     entry = {"model": {"name": name, **asdict(c)}, "runs": runs}
-    t = next((r for r in runs.values() if "error" not in r), {})
-    entry["baseline"] = t.get("optimizer")
+    key, t = next(((k, r) for k, r in runs.items() if "error" not in r), (None, {}))
+    entry["baseline"] = key
     for r in runs.values():
         if r is not t and t.get("peak_gib_per_gpu") and r.get("peak_gib_per_gpu"):
             r["peak_ratio"] = r["peak_gib_per_gpu"] / t["peak_gib_per_gpu"]
@@ -221,6 +235,10 @@ def main(argv=None):
                     help="torch AdamW's implementation (default: torch's choice, foreach on CUDA; its step holds "
                          "fp32 temporaries the size of the parameter shard, fused does not)")
     ap.add_argument("--ac", action="store_true", help="activation checkpointing per block")
+    ap.add_argument("--blocks-per-shard", type=positive_int_list, default=[1],
+                    help="comma list: consecutive blocks per fully_shard call, each size a table of its own (one "
+                         "all-gather and one reduce-scatter per group: fewer collectives and hooks on the host, a "
+                         "larger gathered group in memory)")
     ap.add_argument("--prepare-activations", choices=["auto", "none", *ACTIVATIONS[1:]], default="auto",
                     help="prepare runs: what the blocks save (prepare's activations=; auto: nothing changed, as "
                          "prepare takes no memory budget under FSDP2). recompute: each block's input in FP8 only")
@@ -293,14 +311,18 @@ def main(argv=None):
         if args.layers:
             name, c = f"{name} widths, {args.layers} layers", replace(c, n_layer=args.layers)
         runs = {}
-        for opt_name in args.optimizers.split(","):
-            try:
-                runs[opt_name] = run_one(opt_name, c, args, device, mesh)
-            except torch.cuda.OutOfMemoryError as e:  # report, go on with the next
-                runs[opt_name] = {"optimizer": opt_name, "error": f"OOM: {str(e).splitlines()[0]}"}
-                gc.collect()
-                torch.cuda.empty_cache()
-            save(results + [compared(name, c, runs)])
+        for group in args.blocks_per_shard:
+            for opt_name in args.optimizers.split(","):
+                # one size keeps the runs' plain names; several tell them apart by their size (torch@1, torch@4)
+                key = opt_name if len(args.blocks_per_shard) == 1 else f"{opt_name}@{group}"
+                try:
+                    runs[key] = run_one(opt_name, c, args, device, mesh, group)
+                except torch.cuda.OutOfMemoryError as e:  # report, go on with the next
+                    runs[key] = {"optimizer": opt_name, "blocks_per_shard": group,
+                                 "error": f"OOM: {str(e).splitlines()[0]}"}
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                save(results + [compared(name, c, runs)])
         results.append(compared(name, c, runs))
 
     if rank == 0:
@@ -310,13 +332,13 @@ def main(argv=None):
         print(f"{'model':16s} {'optimizer':18s} {'peak GiB/GPU':>12s} {'states MiB/GPU':>14s} {'tok/s/GPU':>10s} "
               f"{'step ms':>8s} {'peak/first':>10s} {'tok/first':>9s}")
         for e in results:
-            for r in e["runs"].values():
+            for key, r in e["runs"].items():
                 if "error" in r:
-                    print(f"{e['model']['name']:16s} {r['optimizer']:18s} {r['error']}")
+                    print(f"{e['model']['name']:16s} {key:18s} {r['error']}")
                     continue
                 peak = f"{r['peak_gib_per_gpu']:.2f}" if r["peak_gib_per_gpu"] is not None else "n/a"
                 pr, tr = r.get("peak_ratio"), r.get("tokens_ratio")
-                print(f"{e['model']['name']:16s} {r['optimizer']:18s} {peak:>12s} {1024 * r['state_gib_per_gpu']:14.2f} "
+                print(f"{e['model']['name']:16s} {key:18s} {peak:>12s} {1024 * r['state_gib_per_gpu']:14.2f} "
                       f"{r['tokens_per_s_per_gpu']:10.0f} {1e3 * r['step_s']:8.1f} "
                       f"{'-' if pr is None else f'{pr:.3f}':>10s} {'-' if tr is None else f'{tr:.3f}':>9s}")
     dist.barrier()

@@ -33,7 +33,8 @@ def test_largest_shapes_have_their_published_sizes():
 def test_unknown_model_and_bad_layers_are_refused_before_any_work():
     for args, msg in ((["--models", "llama7b,nope"], "unknown models"), (["--layers", "0"], "--layers"),
                       (["--optimizers", "torch,lpoptim+fp8"], "unknown optimizer run"),
-                      (["--optimizers", "torch+s4"], "4-bit states"), (["--small", "--memory-cap-gib", "79"], "CUDA")):
+                      (["--optimizers", "torch+s4"], "4-bit states"), (["--small", "--memory-cap-gib", "79"], "CUDA"),
+                      (["--blocks-per-shard", "2,0"], "--blocks-per-shard")):
         r = _fsdp_main(*args)
         assert r.returncode == 2 and msg in r.stderr, r.stderr
 
@@ -56,3 +57,21 @@ def test_small_run_with_fewer_layers_on_two_cpu_ranks(tmp_path):
     # 4-bit moments: about half the FP8 states' bytes on each rank (the plan says so too)
     assert runs["prepare+bf16+s4"]["state_gib_per_gpu"] < 0.7 * runs["prepare+bf16"]["state_gib_per_gpu"]
     assert "state_bits             4" in runs["prepare+bf16+s4"]["plan"]
+
+
+def test_blocks_sharded_in_groups_train_as_one_by_one(tmp_path):
+    """--blocks-per-shard 1,2 on 3 blocks (groups of 2 and 1): each size is a run of its own, named by it, against
+    the first; grouping changes the collectives, not the arithmetic (the same shards, the same sums)."""
+    out = tmp_path / "fsdp.json"
+    r = _fsdp_main("--small", "--layers", "3", "--optimizers", "torch+bf16,prepare+bf16", "--bf16-reduce",
+                   "--blocks-per-shard", "1,2", "--out", str(out), ranks=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    entry = json.loads(out.read_text())["results"][0]
+    runs = entry["runs"]
+    assert list(runs) == ["torch+bf16@1", "prepare+bf16@1", "torch+bf16@2", "prepare+bf16@2"]
+    assert entry["baseline"] == "torch+bf16@1" and "tokens_ratio" in runs["prepare+bf16@2"]
+    assert [x["blocks_per_shard"] for x in runs.values()] == [1, 1, 2, 2]
+    assert [x["fsdp_units"] for x in runs.values()] == [4, 4, 3, 3]  # the root and each block; the root, (0, 1), 2
+    for name in ("torch+bf16", "prepare+bf16"):  # prepare: the step in backward, as each unit's gradients arrive
+        one, two = runs[f"{name}@1"]["losses"], runs[f"{name}@2"]["losses"]
+        assert len(one) == len(two) == 4 and max(abs(a - b) for a, b in zip(one, two)) < 1e-5, (name, one, two)
