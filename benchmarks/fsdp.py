@@ -64,7 +64,10 @@ TARGETS = {"peak_ratio_max": 0.55, "tokens_ratio_min": 0.95}
 
 
 def positive_int_list(text: str) -> list[int]:
-    return [positive_int(x) for x in text.split(",")]
+    sizes = [positive_int(x) for x in text.split(",")]
+    if len(set(sizes)) < len(sizes):
+        raise argparse.ArgumentTypeError(f"each size once, got {text!r}")
+    return sizes
 
 
 # the model is lpoptim.train.llama's (what `lpoptim bench` times); "small" is a CPU smoke test

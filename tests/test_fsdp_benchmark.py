@@ -34,7 +34,8 @@ def test_unknown_model_and_bad_layers_are_refused_before_any_work():
     for args, msg in ((["--models", "llama7b,nope"], "unknown models"), (["--layers", "0"], "--layers"),
                       (["--optimizers", "torch,lpoptim+fp8"], "unknown optimizer run"),
                       (["--optimizers", "torch+s4"], "4-bit states"), (["--small", "--memory-cap-gib", "79"], "CUDA"),
-                      (["--blocks-per-shard", "2,0"], "--blocks-per-shard")):
+                      (["--blocks-per-shard", "2,0"], "--blocks-per-shard"),
+                      (["--blocks-per-shard", "4,1,4"], "each size once")):
         r = _fsdp_main(*args)
         assert r.returncode == 2 and msg in r.stderr, r.stderr
 
