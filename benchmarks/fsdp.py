@@ -239,9 +239,9 @@ def main(argv=None):
                          "fp32 temporaries the size of the parameter shard, fused does not)")
     ap.add_argument("--ac", action="store_true", help="activation checkpointing per block")
     ap.add_argument("--blocks-per-shard", type=positive_int_list, default=[1],
-                    help="comma list: consecutive blocks per fully_shard call, each size a table of its own (one "
-                         "all-gather and one reduce-scatter per group: fewer collectives and hooks on the host, a "
-                         "larger gathered group in memory)")
+                    help="comma list: consecutive blocks per fully_shard call, every run once per size, named "
+                         "run@size where there are several (one all-gather and one reduce-scatter per group: fewer "
+                         "collectives and hooks on the host, a larger gathered group in memory)")
     ap.add_argument("--prepare-activations", choices=["auto", "none", *ACTIVATIONS[1:]], default="auto",
                     help="prepare runs: what the blocks save (prepare's activations=; auto: nothing changed, as "
                          "prepare takes no memory budget under FSDP2). recompute: each block's input in FP8 only")
@@ -317,11 +317,11 @@ def main(argv=None):
         for group in args.blocks_per_shard:
             for opt_name in args.optimizers.split(","):
                 # one size keeps the runs' plain names; several tell them apart by their size (torch@1, torch@4)
-                key = opt_name if len(args.blocks_per_shard) == 1 else f"{opt_name}@{group}"
+                run_key = opt_name if len(args.blocks_per_shard) == 1 else f"{opt_name}@{group}"
                 try:
-                    runs[key] = run_one(opt_name, c, args, device, mesh, group)
+                    runs[run_key] = run_one(opt_name, c, args, device, mesh, group)
                 except torch.cuda.OutOfMemoryError as e:  # report, go on with the next
-                    runs[key] = {"optimizer": opt_name, "blocks_per_shard": group,
+                    runs[run_key] = {"optimizer": opt_name, "blocks_per_shard": group,
                                  "error": f"OOM: {str(e).splitlines()[0]}"}
                     gc.collect()
                     torch.cuda.empty_cache()
