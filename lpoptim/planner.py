@@ -48,9 +48,9 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
   naming the estimates, if none does.
 - FSDP2 (``fully_shard`` applied before ``prepare``; DTensor parameters): the optimizer steps each rank's shards,
   the step in backward runs on the reduce-scattered shard, the chunked loss and FP8 activations work as without
-  it. Two parts are refused before anything changes: ``linears`` (fully_shard holds the modules it shards, so
-  they cannot be swapped afterwards: convert each block with ``convert_linears`` before ``fully_shard``; auto
-  chooses none and says so) and ``max_memory_gib`` (the estimate counts whole parameters in one process).
+  it; linears are converted in place (fully_shard holds the modules it shards: convert_linears turns each into
+  a low-bit layer itself), or kept as converted before ``fully_shard``. ``max_memory_gib`` is refused before
+  anything changes (the estimate counts whole parameters in one process).
 - DistributedDataParallel (the model wrapped before ``prepare``): the chunked loss goes on the model DDP wraps;
   no step in backward (DDP averages the gradients as backward ends; each rank would otherwise step its own);
   ``step_in_backward=True`` is refused.
@@ -241,13 +241,12 @@ def _module_class(module: nn.Module) -> type:
     return bases[1] if len(bases) == 2 and bases[0].__name__ == "FSDPModule" else cls
 
 
-def _sharded_parts(stack_name: str, stack: nn.ModuleList, params, linears, has_budget: bool, reasons: dict):
+def _sharded_parts(stack: nn.ModuleList, params, linears, has_budget: bool, reasons: dict):
     """What differs when the parameters are DTensors (FSDP2's fully_shard, applied before prepare); returns the
     linears choice. The budget is refused (the estimate counts one process holding whole parameters, states and
-    gradients, not a rank's shards and the blocks FSDP2 gathers), and so is converting linears: fully_shard keeps
-    the modules it shards (it swaps their parameters for the gathered ones around each forward and backward), so a
-    module put in their place afterwards would compute with the sharded DTensor. Converted before fully_shard,
-    they work (the gathered weight is a plain tensor)."""
+    gradients, not a rank's shards and the blocks FSDP2 gathers). Linears are converted as without FSDP2, in place
+    (convert_linears: fully_shard keeps the modules it shards); where some were converted before fully_shard, auto
+    leaves the blocks as they are."""
     from .optim.distributed import is_dtensor
 
     if not any(is_dtensor(p) for p in params):
@@ -257,16 +256,9 @@ def _sharded_parts(stack_name: str, stack: nn.ModuleList, params, linears, has_b
                          "parameters are DTensors (FSDP2's fully_shard): the peak estimate counts one process holding "
                          "whole parameters, states and gradients, not one rank's shards; pass no budget and choose "
                          "activations=")
-    how = (f"convert them before sharding (for block in model.{stack_name}: lpoptim.nn.convert_linears(block, "
-           f"recipe); fully_shard(block))")
-    if linears not in (AUTO, None, False):
-        raise ValueError(f"lpoptim.prepare: linears={linears!r} on a model whose parameters are DTensors (FSDP2's "
-                         f"fully_shard): fully_shard keeps the nn.Linear modules it shards, so they cannot be swapped "
-                         f"for low-bit ones afterwards; {how}, then prepare(model, linears=None)")
-    if linears == AUTO:
-        low = sum(isinstance(m, LowBitLinear) for m in stack.modules())
-        reasons["linears"] = (f"FSDP2: {low} low-bit layers, converted before fully_shard" if low else
-                              f"FSDP2: fully_shard keeps the modules it shards; {how}")
+    low = sum(isinstance(m, LowBitLinear) for m in stack.modules())
+    if linears == AUTO and low:
+        reasons["linears"] = f"FSDP2: {low} low-bit layers, converted before fully_shard"
         linears = None
     return linears
 
@@ -341,8 +333,8 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     fp8_cores = cuda and torch.cuda.get_device_capability(device) >= (8, 9)
     reasons = {}
     # FSDP2 first: it refuses any budget, before a fraction is asked of the device
-    linears = _sharded_parts(name, stack, params, linears,
-                             max_memory_gib is not None or max_memory_fraction is not None, reasons)
+    linears = _sharded_parts(stack, params, linears, max_memory_gib is not None or max_memory_fraction is not None,
+                             reasons)
     budget_of = ""  # what the budget is, where it is a fraction of the device
     if max_memory_fraction is not None:
         total = device_memory_gib(device)

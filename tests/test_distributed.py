@@ -13,7 +13,8 @@ One pipeline runs once per test module (a module fixture) and the tests check it
 3. Two spawned ranks: DDP; FSDP2 fp32 (DCP save after SAVE_AT steps); FSDP2 with bf16 MixedPrecisionPolicy;
    FSDP2 loading the 1-process checkpoint (1 -> 2 resharding) and the 4-rank ones (4 -> 2) and continuing;
    lpoptim.prepare on the tiny Llama after fully_shard (its step in backward, the usual step, a DCP resume, FP8
-   activations with recompute, linears converted before fully_shard, and what it refuses).
+   activations with recompute, linears converted before fully_shard and by prepare after it, and what it
+   refuses).
 4. Back here: the 2-rank checkpoint loaded into a plain model (2 -> 1), the 4-rank ones too (4 -> 1), and the
    prepared model's checkpoint into a model prepared without FSDP2; each continued.
 
@@ -286,9 +287,9 @@ def _prepare_part(rank: int, mesh, out_dir: str) -> dict:
     opt = lpoptim.prepare(model, activations="recompute", **PREP)
     res["recompute_losses"] = llama_steps(model, opt, range(PSTEPS), rank)
     res["recompute_params"] = full_params(model)
-    # refused before anything changes: FP8 linears after fully_shard, the memory budget
+    # refused before anything changes: the memory budget
     model = shard_llama(make_llama(), mesh)
-    for key, options in (("linears", dict(linears="fp8_delayed")), ("budget", dict(max_memory_gib=10, tokens=64)),
+    for key, options in (("budget", dict(max_memory_gib=10, tokens=64)),
                          ("fraction", dict(max_memory_fraction=0.5, tokens=64))):
         try:
             lpoptim.prepare(model, **options, **PREP)
@@ -301,6 +302,18 @@ def _prepare_part(rank: int, mesh, out_dir: str) -> dict:
     opt = lpoptim.prepare(model, **PREP)
     res["fp8_reason"] = opt.plan.reasons["linears"]
     res["fp8_losses"] = llama_steps(model, opt, range(PSTEPS), rank)
+    res["fp8_params"] = full_params(model)
+    # FP8 linears converted by prepare after fully_shard: each layer turned low-bit in place, the very modules
+    # FSDP2 holds
+    model = shard_llama(make_llama(), mesh)
+    layers = {n: m for n, m in model.named_modules() if type(m) is torch.nn.Linear}
+    opt = lpoptim.prepare(model, linears="fp8_delayed", **PREP)
+    res["in_place"] = all(model.get_submodule(n) is m and isinstance(m, lpoptim.nn.LowBitLinear)
+                          for n, m in layers.items() if n != "lm_head")
+    res["in_place_kept"] = sorted(n for n, m in layers.items() if not isinstance(m, lpoptim.nn.LowBitLinear))
+    res["in_place_linears"] = opt.plan.linears
+    res["in_place_losses"] = llama_steps(model, opt, range(PSTEPS), rank)
+    res["in_place_params"] = full_params(model)
     return res
 
 
@@ -751,7 +764,7 @@ def test_prepare_on_fsdp2_plan(run):
         plan = r["prepare"]["plan"]
         assert plan["blocks"] == "model.layers" and plan["block_class"] == "LlamaDecoderLayer"  # not FSDPLlama...
         assert plan["step_in_backward"] and plan["chunked_loss"] and plan["activations"] is None
-        assert plan["linears"] is None and "convert_linears" in plan["reasons"]["linears"]
+        assert plan["linears"] is None and plan["reasons"]["linears"] == "no FP8 tensor cores"  # as without FSDP2
 
 
 @needs_transformers
@@ -798,10 +811,9 @@ def test_prepare_on_fsdp2_dcp_resumes(run):
 
 
 @needs_transformers
-def test_prepare_on_fsdp2_refuses_linears_and_budget_before_any_change(run):
+def test_prepare_on_fsdp2_refuses_a_budget_before_any_change(run):
     for r in run["ranks"]:
         got = r["prepare"]
-        assert "convert_linears" in got["linears_error"] and "fully_shard" in got["linears_error"]
         assert "max_memory_gib" in got["budget_error"] and "DTensors" in got["budget_error"]
         # a fraction too, before it is asked of the device (on these CPU ranks that would be its own error)
         assert "DTensors" in got["fraction_error"]
@@ -823,6 +835,17 @@ def test_prepare_on_fsdp2_with_linears_converted_before_fully_shard(run):
         assert got["fp8_losses"][0] == pytest.approx(ref["fp8_losses"][0], rel=1e-4)
         assert got["fp8_losses"][1] == pytest.approx(ref["fp8_losses"][1], rel=1e-2)
         assert got["fp8_losses"][-1] < 0.85 * got["fp8_losses"][0]
+
+
+@needs_transformers
+def test_prepare_on_fsdp2_converts_linears_in_place(run):
+    # the same layers, parameters and arithmetic as converting each block before fully_shard: bit for bit
+    for r in run["ranks"]:
+        got = r["prepare"]
+        assert got["in_place"] and got["in_place_kept"] == ["lm_head"] and got["in_place_linears"] == "fp8_delayed"
+        assert got["in_place_losses"] == got["fp8_losses"]
+        assert all(torch.equal(got["in_place_params"][n], v) for n, v in got["fp8_params"].items())
+        assert got["in_place_losses"][-1] < 0.85 * got["in_place_losses"][0]
 
 
 def test_pipeline_runtime(run):

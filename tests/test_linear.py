@@ -225,6 +225,32 @@ def test_module_is_a_linear_sharing_parameters():
         LowBitLinear(32, 32, recipe="fp2")
 
 
+def test_adopt_turns_the_linear_itself_low_bit():
+    """In place (what FSDP2's sharded layers get): the same module object, parameters and hooks, computing as a
+    layer made by from_linear; anything but a plain nn.Linear, or a bad recipe or dims, refused untouched."""
+    torch.manual_seed(0)
+    lin, twin = nn.Linear(64, 32), nn.Linear(64, 32)
+    twin.load_state_dict(lin.state_dict())
+    calls = []
+    lin.register_forward_hook(lambda *a: calls.append(1))
+    weight, keys = lin.weight, lin.state_dict().keys()
+    m = LowBitLinear.adopt(lin, "fp8_delayed")
+    assert m is lin and type(m) is not nn.Linear and isinstance(m, LowBitLinear) and m.weight is weight
+    assert m.state_dict().keys() == keys and "recipe=fp8_delayed" in repr(m)
+    x = torch.randn(8, 64)
+    ref = LowBitLinear.from_linear(twin, "fp8_delayed")
+    for _ in range(3):  # delayed scaling: the histories as from_linear's
+        assert torch.equal(m(x), ref(x))
+    assert calls == [1, 1, 1]
+    with pytest.raises(TypeError, match="plain nn.Linear"):
+        LowBitLinear.adopt(m)
+    for bad, match, err in ((nn.Linear(40, 32), "divisible by 16", ValueError),
+                            (nn.Linear(32, 32), "unknown recipe", ValueError)):
+        with pytest.raises(err, match=match):
+            LowBitLinear.adopt(bad, "fp2" if match == "unknown recipe" else "fp8_delayed")
+        assert type(bad) is nn.Linear
+
+
 def test_autocast_output_dtype():
     m = LowBitLinear(32, 32, recipe="fp8")
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -33,6 +33,9 @@ def convert_linears(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *,
     previous_weight_scale: set on the converted layers (LowBitLinear says what it does, and why only with CUDA
       graphs).
     Parameters are shared, not copied: an optimizer built before the conversion still holds the right tensors.
+    A layer whose weight is a DTensor (sharded by FSDP2's fully_shard, which keeps the module and swaps its weight
+    for the gathered one around forward and backward) is converted in place (LowBitLinear.adopt): the same module
+    object, now of the low-bit class.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_linears takes an nn.Module, got {type(model).__name__}")
@@ -56,9 +59,13 @@ def convert_linears(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *,
     for fqn in todo:
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        layer = cls.from_linear(getattr(parent, child), recipe)
+        linear = getattr(parent, child)
+        if hasattr(linear.weight, "device_mesh"):  # a DTensor: the wrapper that sharded it holds this very module
+            layer = cls.adopt(linear, recipe)
+        else:
+            layer = cls.from_linear(linear, recipe)
+            setattr(parent, child, layer)
         layer.previous_weight_scale = previous_weight_scale
-        setattr(parent, child, layer)
     return model
 
 

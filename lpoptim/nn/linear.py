@@ -55,6 +55,24 @@ class LowBitLinear(nn.Linear):
         m.train(linear.training)
         return m
 
+    @classmethod
+    def adopt(cls, linear: nn.Linear, recipe: str | Recipe = DEFAULT_RECIPE, **recipe_overrides) -> "LowBitLinear":
+        """Turn ``linear`` itself (a plain nn.Linear) into one of this class, in place: the same module object,
+        parameters, hooks and place in the model. What convert_linears does where a wrapper holds the module
+        (FSDP2's fully_shard keeps each layer it shards and swaps its weight for the gathered one around forward
+        and backward: a new module in its place would see the sharded weight)."""
+        if type(linear) is not nn.Linear:
+            raise TypeError(f"adopt takes a plain nn.Linear, got {type(linear).__name__}")
+        check_dims(linear.in_features, linear.out_features)
+        recipe = get_recipe(recipe, **recipe_overrides)  # errors before the layer changes
+        weight = linear.weight
+        device = (weight.to_local() if hasattr(weight, "to_local") else weight).device  # a DTensor's own shard's
+        linear.__class__ = cls
+        linear.recipe = recipe
+        linear.register_buffer("weight_amax_state", new_state(device), persistent=False)
+        linear.reset_amax_history()
+        return linear
+
     def reset_amax_history(self) -> None:
         """Delayed scaling (recipe.scaling == "delayed"): forget the recorded absmax values, so that the next
         quantization of x, dy and W scales by its own.
