@@ -49,8 +49,9 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
 - FSDP2 (``fully_shard`` applied before ``prepare``; DTensor parameters): the optimizer steps each rank's shards,
   the step in backward runs on the reduce-scattered shard, the chunked loss and FP8 activations work as without
   it; linears are converted in place (fully_shard holds the modules it shards: convert_linears turns each into
-  a low-bit layer itself), or kept as converted before ``fully_shard``. ``max_memory_gib`` is refused before
-  anything changes (the estimate counts whole parameters in one process).
+  a low-bit layer itself; a tensor-parallel weight is refused), or kept as converted before ``fully_shard``;
+  units holding gathered weights are resharded first (the optimizer takes the shards). ``max_memory_gib`` is
+  refused before anything changes (the estimate counts whole parameters in one process).
 - DistributedDataParallel (the model wrapped before ``prepare``): the chunked loss goes on the model DDP wraps;
   no step in backward (DDP averages the gradients as backward ends; each rank would otherwise step its own);
   ``step_in_backward=True`` is refused.
@@ -69,6 +70,7 @@ import torch.nn as nn
 from .activations import compress_activations
 from .memory import estimate_peak_bytes
 from .nn import LowBitLinear, convert_linears
+from .nn.convert import dtensor_problem, fsdp_held, is_fsdp_unit
 from .nn.causal_lm_loss import chunk_causal_lm_loss, restore_causal_lm_loss, why_not
 from .nn.recipes import DEFAULT_RECIPE, RECIPES
 from .optim import AdamW
@@ -241,12 +243,12 @@ def _module_class(module: nn.Module) -> type:
     return bases[1] if len(bases) == 2 and bases[0].__name__ == "FSDPModule" else cls
 
 
-def _sharded_parts(stack: nn.ModuleList, params, linears, has_budget: bool, reasons: dict):
+def _sharded_parts(model: nn.Module, stack_name: str, params, linears, has_budget: bool, reasons: dict):
     """What differs when the parameters are DTensors (FSDP2's fully_shard, applied before prepare); returns the
     linears choice. The budget is refused (the estimate counts one process holding whole parameters, states and
     gradients, not a rank's shards and the blocks FSDP2 gathers). Linears are converted as without FSDP2, in place
-    (convert_linears: fully_shard keeps the modules it shards); where some were converted before fully_shard, auto
-    leaves the blocks as they are."""
+    (convert_linears: fully_shard keeps the modules it shards), but not a weight FSDP2 does not gather whole (tensor
+    parallelism: refused, or none under auto); blocks already holding low-bit layers are kept as they are."""
     from .optim.distributed import is_dtensor
 
     if not any(is_dtensor(p) for p in params):
@@ -256,9 +258,20 @@ def _sharded_parts(stack: nn.ModuleList, params, linears, has_budget: bool, reas
                          "parameters are DTensors (FSDP2's fully_shard): the peak estimate counts one process holding "
                          "whole parameters, states and gradients, not one rank's shards; pass no budget and choose "
                          "activations=")
+    stack = model.get_submodule(stack_name)
+    if linears not in (None, False):
+        held = fsdp_held(model)
+        for sub, m in stack.named_modules():
+            fqn = f"{stack_name}.{sub}" if sub else stack_name
+            problem = dtensor_problem(fqn, m, held) if type(m) is nn.Linear else None
+            if problem and linears != AUTO:
+                raise ValueError(f"lpoptim.prepare: linears={linears!r}: {problem}")
+            if problem:
+                reasons["linears"] = problem
+                return None
     low = sum(isinstance(m, LowBitLinear) for m in stack.modules())
     if linears == AUTO and low:
-        reasons["linears"] = f"FSDP2: {low} low-bit layers, converted before fully_shard"
+        reasons["linears"] = f"FSDP2: {low} low-bit layers already"
         linears = None
     return linears
 
@@ -333,8 +346,8 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     fp8_cores = cuda and torch.cuda.get_device_capability(device) >= (8, 9)
     reasons = {}
     # FSDP2 first: it refuses any budget, before a fraction is asked of the device
-    linears = _sharded_parts(stack, params, linears, max_memory_gib is not None or max_memory_fraction is not None,
-                             reasons)
+    linears = _sharded_parts(model, name, params, linears,
+                             max_memory_gib is not None or max_memory_fraction is not None, reasons)
     budget_of = ""  # what the budget is, where it is a fraction of the device
     if max_memory_fraction is not None:
         total = device_memory_gib(device)
@@ -444,6 +457,9 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
     """Apply what pays to ``model`` (in place) and return its lpoptim.AdamW; the module docstring says what.
 
     Every argument is checked, and the plan made, before the model is touched."""
+    for module in model.modules():  # FSDP2 units gathered now (reshard_after_forward=False after a forward) hold
+        if is_fsdp_unit(module):  # the gathered tensors in place of their parameters: the optimizer takes the shards
+            module.reshard()
     result = plan(model, blocks=blocks, linears=linears, activations=activations, compile=compile,
                   cuda_graphs=cuda_graphs, step_in_backward=step_in_backward, chunked_loss=chunked_loss, max_memory_gib=max_memory_gib,
                   max_memory_fraction=max_memory_fraction, tokens=tokens,
@@ -459,9 +475,11 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
     if result.use_cache_off:
         _unwrapped(model).config.use_cache = False
     mode = "reduce-overhead" if result.cuda_graphs else None  # torch.compile's, for CUDA graphs
-    if result.linears:
-        for block in stack:  # as graphs, the weight scale kept on the device (LowBitLinear says why only there)
-            convert_linears(block, result.linears, previous_weight_scale=result.cuda_graphs)
+    if result.linears:  # the blocks' layers, seen from the model (under FSDP2, which units hold them); as graphs,
+        # the weight scale kept on the device (LowBitLinear says why only there)
+        prefix = result.blocks + "."
+        convert_linears(model, result.linears, previous_weight_scale=result.cuda_graphs,
+                        filter_fn=lambda m, fqn: fqn.startswith(prefix))
     wrapped = result.activations in ACTIVATIONS[1:]
     if wrapped:  # compiled, the wrapper calls each block's compiled forward (wrap.py: no graph break per call)
         result.handles.append(compress_activations(

@@ -314,6 +314,31 @@ def _prepare_part(rank: int, mesh, out_dir: str) -> dict:
     res["in_place_linears"] = opt.plan.linears
     res["in_place_losses"] = llama_steps(model, opt, range(PSTEPS), rank)
     res["in_place_params"] = full_params(model)
+    # prepared while FSDP2 holds gathered weights (no reshard after forward, a forward just ran): prepare reshards
+    # first, so its optimizer takes the shards, and trains as above
+    model = make_llama()
+    for block in model.model.layers:
+        _fsdp_api()[1](block, mesh=mesh, reshard_after_forward=False)
+    _fsdp_api()[1](model, mesh=mesh, reshard_after_forward=False)
+    with torch.no_grad():
+        model(input_ids=llama_ids(rank))
+    res["gathered_before"] = not all(lpdist.is_dtensor(p) for p in model.parameters())
+    opt = lpoptim.prepare(model, linears="fp8_delayed", **PREP)
+    res["gathered_losses"] = llama_steps(model, opt, range(PSTEPS), rank)
+    # tensor parallelism: a weight FSDP2 does not gather whole is refused before any layer changes (explicit), or
+    # kept (auto)
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    tp = torch.nn.Module()
+    tp.layers = torch.nn.ModuleList([torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)])
+    parallelize_module(tp, mesh, {"layers.0": ColwiseParallel()})
+    for key, call in (("tp_convert", lambda: lpoptim.nn.convert_linears(tp)),
+                      ("tp_prepare", lambda: lpoptim.prepare(tp, blocks="layers", linears="fp8_delayed", compile=False))):
+        try:
+            call()
+            res[f"{key}_error"] = None
+        except ValueError as e:
+            res[f"{key}_error"] = str(e)
+    res["tp_untouched"] = all(type(m) is torch.nn.Linear for m in tp.layers)
     return res
 
 
@@ -846,6 +871,16 @@ def test_prepare_on_fsdp2_converts_linears_in_place(run):
         assert got["in_place_losses"] == got["fp8_losses"]
         assert all(torch.equal(got["in_place_params"][n], v) for n, v in got["fp8_params"].items())
         assert got["in_place_losses"][-1] < 0.85 * got["in_place_losses"][0]
+
+
+@needs_transformers
+def test_prepare_on_fsdp2_reshards_gathered_units_and_refuses_tensor_parallel_linears(run):
+    for r in run["ranks"]:
+        got = r["prepare"]
+        assert got["gathered_before"] and got["gathered_losses"] == got["in_place_losses"]
+        for key in ("tp_convert", "tp_prepare"):
+            assert "DTensor" in got[f"{key}_error"] and "tensor parallelism" in got[f"{key}_error"], got[f"{key}_error"]
+        assert got["tp_untouched"]
 
 
 def test_pipeline_runtime(run):

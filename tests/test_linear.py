@@ -239,8 +239,14 @@ def test_adopt_turns_the_linear_itself_low_bit():
     assert m.state_dict().keys() == keys and "recipe=fp8_delayed" in repr(m)
     x = torch.randn(8, 64)
     ref = LowBitLinear.from_linear(twin, "fp8_delayed")
-    for _ in range(3):  # delayed scaling: the histories as from_linear's
-        assert torch.equal(m(x), ref(x))
+    for _ in range(3):  # delayed scaling: the histories as from_linear's, forward and backward
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = m(xa), ref(xb)
+        assert torch.equal(ya, yb)
+        (ya * ya).sum().backward()
+        (yb * yb).sum().backward()
+        assert torch.equal(xa.grad, xb.grad) and torch.equal(m.weight.grad, ref.weight.grad)
+        m.weight.grad = ref.weight.grad = None
     assert calls == [1, 1, 1]
     with pytest.raises(TypeError, match="plain nn.Linear"):
         LowBitLinear.adopt(m)

@@ -18,6 +18,36 @@ def _embedding_weights(model: nn.Module) -> set[int]:
     return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
 
 
+def is_fsdp_unit(module: nn.Module) -> bool:
+    """FSDP2's fully_shard made this module one of its units (its class became FSDP<Class>(FSDPModule, Class))."""
+    return any(c.__name__ == "FSDPModule" for c in type(module).__mro__)
+
+
+def fsdp_held(model: nn.Module) -> set[str]:
+    """The qualified names (in ``model``) of the modules an FSDP2 unit holds: the units and everything below them.
+    fully_shard keeps these module objects and swaps their parameters (sharded DTensors, gathered tensors around
+    forward and backward), so they are converted in place, never replaced."""
+    units = [name for name, m in model.named_modules() if is_fsdp_unit(m)]
+    return {name for name, _ in model.named_modules()
+            if any(u == "" or name == u or name.startswith(u + ".") for u in units)}
+
+
+def dtensor_problem(fqn: str, linear: nn.Linear, held: set[str]) -> str | None:
+    """Why a layer with a DTensor weight cannot be low-bit, or None: only FSDP2's (and HSDP's) shards can, which
+    fully_shard gathers whole around forward and backward (one Shard(0) placement, the others Replicate); a
+    tensor-parallel weight would reach the FP8 GEMM as a DTensor."""
+    w = linear.weight
+    if not hasattr(w, "device_mesh"):
+        return None
+    shards = [p for p in w.placements if not p.is_replicate()]
+    if fqn not in held or len(shards) > 1 or (shards and not shards[0].is_shard(dim=0)):
+        return (f"{fqn or 'the module'}: its weight is a DTensor placed {tuple(w.placements)}, not a shard that an "
+                "FSDP2 unit within the module given gathers whole (tensor parallelism?); only layers that fully_shard "
+                "holds, sharded along dim 0, can be low-bit (convert the module fully_shard was applied to, or "
+                "convert before sharding)")
+    return None
+
+
 def convert_linears(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *,
                     filter_fn: Callable[[nn.Module, str], bool] | None = None,
                     skip: tuple[str, ...] = DEFAULT_SKIP, skip_tied: bool = True, previous_weight_scale: bool = False,
@@ -33,16 +63,17 @@ def convert_linears(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *,
     previous_weight_scale: set on the converted layers (LowBitLinear says what it does, and why only with CUDA
       graphs).
     Parameters are shared, not copied: an optimizer built before the conversion still holds the right tensors.
-    A layer whose weight is a DTensor (sharded by FSDP2's fully_shard, which keeps the module and swaps its weight
-    for the gathered one around forward and backward) is converted in place (LowBitLinear.adopt): the same module
-    object, now of the low-bit class.
+    A layer that FSDP2's fully_shard holds (it keeps the module and swaps its weight, a sharded DTensor, for the
+    gathered one around forward and backward) is converted in place (LowBitLinear.adopt): the same module object,
+    now of the low-bit class. A DTensor weight that FSDP2 does not gather whole (tensor parallelism) is refused
+    (ValueError) before any layer changes.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_linears takes an nn.Module, got {type(model).__name__}")
     recipe = get_recipe(recipe, **recipe_overrides)  # TypeError / ValueError before anything is touched
     tied = _embedding_weights(model) if skip_tied else set()
     cls = module_class(recipe)
-    todo, odd = [], []
+    todo, odd, held = [], [], fsdp_held(model)
     for fqn, mod in model.named_modules():
         if type(mod) is not nn.Linear:  # exact type: already converted layers and other subclasses are left
             continue
@@ -53,6 +84,9 @@ def convert_linears(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *,
         if mod.in_features % 16 or mod.out_features % 16:
             odd.append(f"{fqn} ({mod.in_features}->{mod.out_features})")
             continue
+        problem = dtensor_problem(fqn, mod, held)
+        if problem:  # before any layer changes
+            raise ValueError(f"convert_linears: {problem}")
         todo.append(fqn)
     if odd:
         warnings.warn("kept in high precision, feature dims not divisible by 16: " + ", ".join(odd), stacklevel=2)
@@ -60,7 +94,7 @@ def convert_linears(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *,
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         linear = getattr(parent, child)
-        if hasattr(linear.weight, "device_mesh"):  # a DTensor: the wrapper that sharded it holds this very module
+        if fqn in held:  # fully_shard holds this very module (its weight sharded, or gathered right now)
             layer = cls.adopt(linear, recipe)
         else:
             layer = cls.from_linear(linear, recipe)
