@@ -239,8 +239,7 @@ def _check_choice(name: str, value, allowed) -> None:
 def _module_class(module: nn.Module) -> type:
     """A module's own class: FSDP2's fully_shard swaps it for a subclass, FSDP<Class>(FSDPModule, Class)."""
     cls = type(module)
-    bases = cls.__bases__
-    return bases[1] if len(bases) == 2 and bases[0].__name__ == "FSDPModule" else cls
+    return cls.__bases__[-1] if is_fsdp_unit(module) and len(cls.__bases__) == 2 else cls
 
 
 def _sharded_parts(model: nn.Module, stack_name: str, params, linears, has_budget: bool, reasons: dict):
