@@ -70,7 +70,7 @@ import torch.nn as nn
 from .activations import compress_activations
 from .memory import estimate_peak_bytes
 from .nn import LowBitLinear, convert_linears
-from .nn.convert import dtensor_problem, fsdp_held, is_fsdp_unit
+from .nn.convert import conversion_targets, is_fsdp_unit
 from .nn.causal_lm_loss import chunk_causal_lm_loss, restore_causal_lm_loss, why_not
 from .nn.recipes import DEFAULT_RECIPE, RECIPES
 from .optim import AdamW
@@ -242,6 +242,12 @@ def _module_class(module: nn.Module) -> type:
     return cls.__bases__[-1] if is_fsdp_unit(module) and len(cls.__bases__) == 2 else cls
 
 
+def _in_blocks(stack_name: str):
+    """convert_linears' filter for the layers inside the blocks (``stack_name``: their ModuleList in the model)."""
+    prefix = stack_name + "."
+    return lambda module, fqn: fqn.startswith(prefix)
+
+
 def _sharded_parts(model: nn.Module, stack_name: str, params, linears, has_budget: bool, reasons: dict):
     """What differs when the parameters are DTensors (FSDP2's fully_shard, applied before prepare); returns the
     linears choice. The budget is refused (the estimate counts one process holding whole parameters, states and
@@ -257,18 +263,15 @@ def _sharded_parts(model: nn.Module, stack_name: str, params, linears, has_budge
                          "parameters are DTensors (FSDP2's fully_shard): the peak estimate counts one process holding "
                          "whole parameters, states and gradients, not one rank's shards; pass no budget and choose "
                          "activations=")
-    stack = model.get_submodule(stack_name)
     if linears not in (None, False):
-        held = fsdp_held(model)
-        for sub, m in stack.named_modules():
-            fqn = f"{stack_name}.{sub}" if sub else stack_name
-            problem = dtensor_problem(fqn, m, held) if type(m) is nn.Linear else None
-            if problem and linears != AUTO:
-                raise ValueError(f"lpoptim.prepare: linears={linears!r}: {problem}")
-            if problem:
-                reasons["linears"] = problem
-                return None
-    low = sum(isinstance(m, LowBitLinear) for m in stack.modules())
+        try:  # the layers prepare would convert (as it converts them)
+            conversion_targets(model, _in_blocks(stack_name))
+        except ValueError as e:
+            if linears != AUTO:
+                raise ValueError(f"lpoptim.prepare: linears={linears!r}: {e}") from None
+            reasons["linears"] = str(e)
+            return None
+    low = sum(isinstance(m, LowBitLinear) for m in model.get_submodule(stack_name).modules())
     if linears == AUTO and low:
         reasons["linears"] = f"FSDP2: {low} low-bit layers already"
         linears = None
@@ -455,7 +458,8 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
             **optimizer_kwargs) -> AdamW:
     """Apply what pays to ``model`` (in place) and return its lpoptim.AdamW; the module docstring says what.
 
-    Every argument is checked, and the plan made, before the model is touched."""
+    Every argument is checked, and the plan made, before the model is touched (but for FSDP2 units that hold
+    gathered weights, resharded first: FSDP2's own resting state, which the optimizer must see)."""
     for module in model.modules():  # FSDP2 units gathered now (reshard_after_forward=False after a forward) hold
         if is_fsdp_unit(module):  # the gathered tensors in place of their parameters: the optimizer takes the shards
             module.reshard()
@@ -476,9 +480,8 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
     mode = "reduce-overhead" if result.cuda_graphs else None  # torch.compile's, for CUDA graphs
     if result.linears:  # the blocks' layers, seen from the model (under FSDP2, which units hold them); as graphs,
         # the weight scale kept on the device (LowBitLinear says why only there)
-        prefix = result.blocks + "."
         convert_linears(model, result.linears, previous_weight_scale=result.cuda_graphs,
-                        filter_fn=lambda m, fqn: fqn.startswith(prefix))
+                        filter_fn=_in_blocks(result.blocks))
     wrapped = result.activations in ACTIVATIONS[1:]
     if wrapped:  # compiled, the wrapper calls each block's compiled forward (wrap.py: no graph break per call)
         result.handles.append(compress_activations(

@@ -198,14 +198,15 @@ def llama_ids(rank: int | None = None) -> torch.Tensor:
     return ids if rank is None else ids.chunk(WORLD)[rank]
 
 
-def shard_llama(model, mesh, convert: str | None = None):
-    """fully_shard on each decoder block and the root, as users do (``convert``: convert_linears each block first)."""
+def shard_llama(model, mesh, convert: str | None = None, **fully_shard_options):
+    """fully_shard on each decoder block and the root, as users do (``convert``: convert_linears each block first;
+    ``fully_shard_options``: fully_shard's own, e.g. reshard_after_forward)."""
     fully_shard = _fsdp_api()[1]
     for block in model.model.layers:
         if convert:
             lpoptim.nn.convert_linears(block, convert)
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **fully_shard_options)
+    fully_shard(model, mesh=mesh, **fully_shard_options)
     return model
 
 
@@ -316,10 +317,7 @@ def _prepare_part(rank: int, mesh, out_dir: str) -> dict:
     res["in_place_params"] = full_params(model)
     # prepared while FSDP2 holds gathered weights (no reshard after forward, a forward just ran): prepare reshards
     # first, so its optimizer takes the shards, and trains as above
-    model = make_llama()
-    for block in model.model.layers:
-        _fsdp_api()[1](block, mesh=mesh, reshard_after_forward=False)
-    _fsdp_api()[1](model, mesh=mesh, reshard_after_forward=False)
+    model = shard_llama(make_llama(), mesh, reshard_after_forward=False)
     with torch.no_grad():
         model(input_ids=llama_ids(rank))
     res["gathered_before"] = not all(lpdist.is_dtensor(p) for p in model.parameters())

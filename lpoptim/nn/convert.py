@@ -32,7 +32,7 @@ def fsdp_held(model: nn.Module) -> set[str]:
             if any(u == "" or name == u or name.startswith(u + ".") for u in units)}
 
 
-def dtensor_problem(fqn: str, linear: nn.Linear, held: set[str]) -> str | None:
+def _dtensor_problem(fqn: str, linear: nn.Linear, held: set[str]) -> str | None:
     """Why a layer with a DTensor weight cannot be low-bit, or None: only FSDP2's (and HSDP's) shards can, which
     fully_shard gathers whole around forward and backward (one Shard(0) placement, the others Replicate); a
     tensor-parallel weight would reach the FP8 GEMM as a DTensor."""
@@ -46,6 +46,29 @@ def dtensor_problem(fqn: str, linear: nn.Linear, held: set[str]) -> str | None:
                 "holds, sharded along dim 0, can be low-bit (convert the module fully_shard was applied to, or "
                 "convert before sharding)")
     return None
+
+
+def conversion_targets(model: nn.Module, filter_fn: Callable[[nn.Module, str], bool] | None = None,
+                       skip: tuple[str, ...] = DEFAULT_SKIP, skip_tied: bool = True):
+    """The layers convert_linears would convert (its docstring says which): (their qualified names, those kept for
+    their odd dims, the names an FSDP2 unit holds). ValueError where a DTensor weight cannot be low-bit."""
+    tied = _embedding_weights(model) if skip_tied else set()
+    todo, odd, held = [], [], fsdp_held(model)
+    for fqn, mod in model.named_modules():
+        if type(mod) is not nn.Linear:  # exact type: already converted layers and other subclasses are left
+            continue
+        if fqn.rsplit(".", 1)[-1] in skip or id(mod.weight) in tied:
+            continue
+        if filter_fn is not None and not filter_fn(mod, fqn):
+            continue
+        if mod.in_features % 16 or mod.out_features % 16:
+            odd.append(f"{fqn} ({mod.in_features}->{mod.out_features})")
+            continue
+        problem = _dtensor_problem(fqn, mod, held)
+        if problem:
+            raise ValueError(problem)
+        todo.append(fqn)
+    return todo, odd, held
 
 
 def convert_linears(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *,
@@ -71,23 +94,11 @@ def convert_linears(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *,
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_linears takes an nn.Module, got {type(model).__name__}")
     recipe = get_recipe(recipe, **recipe_overrides)  # TypeError / ValueError before anything is touched
-    tied = _embedding_weights(model) if skip_tied else set()
     cls = module_class(recipe)
-    todo, odd, held = [], [], fsdp_held(model)
-    for fqn, mod in model.named_modules():
-        if type(mod) is not nn.Linear:  # exact type: already converted layers and other subclasses are left
-            continue
-        if fqn.rsplit(".", 1)[-1] in skip or id(mod.weight) in tied:
-            continue
-        if filter_fn is not None and not filter_fn(mod, fqn):
-            continue
-        if mod.in_features % 16 or mod.out_features % 16:
-            odd.append(f"{fqn} ({mod.in_features}->{mod.out_features})")
-            continue
-        problem = dtensor_problem(fqn, mod, held)
-        if problem:  # before any layer changes
-            raise ValueError(f"convert_linears: {problem}")
-        todo.append(fqn)
+    try:  # every layer checked before any changes
+        todo, odd, held = conversion_targets(model, filter_fn, skip, skip_tied)
+    except ValueError as e:
+        raise ValueError(f"convert_linears: {e}") from None
     if odd:
         warnings.warn("kept in high precision, feature dims not divisible by 16: " + ", ".join(odd), stacklevel=2)
     for fqn in todo:

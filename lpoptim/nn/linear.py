@@ -27,11 +27,11 @@ def check_dims(in_features: int, out_features: int) -> None:
 
 class LowBitLinear(nn.Linear):
     # Compiled, with delayed scaling: W scaled by its previous absmax kept on the device (nn/weight_scale.py), one
-    # read of W in forward instead of two. Off by default: its two launches a layer cost the host more than the
-    # pass saves where the host bounds the step (measured slower on an H100, HF Llama-2-7B compiled with FP8
-    # activations and 4-bit states); as CUDA graphs, which take the launches off the host, it pays
-    # (prepare(cuda_graphs=True) sets it). Not with recompute (activation checkpointing): the recomputed forward
-    # would take the scale the first one left, not the one it took.
+    # read of W in forward instead of two. Off by default: where the host bounds the step, its launches cost more
+    # than the pass saves (Inductor launches a user's Triton kernels through Triton's own launcher, not its static
+    # one, and adds a small kernel for each 0-dim output); as CUDA graphs, which take the launches off the host, it
+    # pays (prepare(cuda_graphs=True) sets it). Not with recompute (activation checkpointing): the recomputed
+    # forward would take the scale the first one left, not the one it took.
     previous_weight_scale = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
