@@ -38,9 +38,16 @@ class LowBitLinear(nn.Linear):
                  recipe: str | Recipe = DEFAULT_RECIPE, **recipe_overrides):
         check_dims(in_features, out_features)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.recipe = get_recipe(recipe, **recipe_overrides)
-        # a buffer, so that it follows the layer's device (.to, FSDP2, to_empty: _apply zeroes it)
-        self.register_buffer("weight_amax_state", new_state(self.weight.device), persistent=False)
+        self._become_low_bit(get_recipe(recipe, **recipe_overrides))
+
+    def _become_low_bit(self, recipe: Recipe) -> None:
+        """What a low-bit layer holds beside nn.Linear's: its recipe, the compiled weight scale's state and fresh
+        amax histories (__init__, from_linear and adopt all end here). The state is a buffer on the weight's device
+        (a DTensor's: its own shard's), so that it follows the layer (.to, FSDP2, to_empty: _apply zeroes it)."""
+        self.recipe = recipe
+        weight = self.weight
+        device = (weight.to_local() if hasattr(weight, "to_local") else weight).device
+        self.register_buffer("weight_amax_state", new_state(device), persistent=False)
         self.reset_amax_history()
 
     @classmethod
@@ -51,7 +58,7 @@ class LowBitLinear(nn.Linear):
                 recipe=recipe, **recipe_overrides)
         m.weight = linear.weight
         m.bias = linear.bias
-        m.weight_amax_state = new_state(linear.weight.device)
+        m._become_low_bit(m.recipe)  # the state on the shared weight's device, not "meta"
         m.train(linear.training)
         return m
 
@@ -65,12 +72,8 @@ class LowBitLinear(nn.Linear):
             raise TypeError(f"adopt takes a plain nn.Linear, got {type(linear).__name__}")
         check_dims(linear.in_features, linear.out_features)
         recipe = get_recipe(recipe, **recipe_overrides)  # errors before the layer changes
-        weight = linear.weight
-        device = (weight.to_local() if hasattr(weight, "to_local") else weight).device  # a DTensor's own shard's
         linear.__class__ = cls
-        linear.recipe = recipe
-        linear.register_buffer("weight_amax_state", new_state(device), persistent=False)
-        linear.reset_amax_history()
+        linear._become_low_bit(recipe)
         return linear
 
     def reset_amax_history(self) -> None:
