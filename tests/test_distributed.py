@@ -92,7 +92,9 @@ def halves(step: int, rank: int | None = None, world: int = WORLD):
 
 
 def loss_fn(model, x, y):
-    return torch.nn.functional.mse_loss(model(x), y)
+    # the output in fp32 first: torch 2.11's mse_loss of a bf16 output against an fp32 target (FSDP2 bf16 compute)
+    # returns an fp32 gradient for the bf16 output, which autograd refuses
+    return torch.nn.functional.mse_loss(model(x).float(), y)
 
 
 def single_step(model, opt, step: int, full_batch: bool = False) -> float:
