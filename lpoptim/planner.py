@@ -15,7 +15,9 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
   found automatically as the largest ModuleList of one module class (HF transformers decoders and encoders).
 - ``linears``: the blocks' nn.Linear layers run their GEMMs in FP8 (a ``convert_linears`` recipe). Auto: the
   default recipe where the blocks are compiled on a GPU with FP8 tensor cores (compute capability >= 8.9), none
-  elsewhere: eager FP8 linears spend more host time quantizing than their GEMMs save.
+  elsewhere: eager FP8 linears spend more host time quantizing than their GEMMs save. On a GPU without FP8
+  conversions (compute capability below 8.9: lpoptim/device.py) FP8 activations and low-bit linears are left
+  out, and refused (ValueError, before any change) where asked for.
 - ``activations``: "fp8" (what the blocks save for backward kept in FP8, attention's q, k, v and output as they
   are), "fp8_attention" (those in FP8 too: ``compress_activations(attention="fp8")``), "recompute" (only each
   block's input kept, in FP8; blocks recomputed in backward), a number in (0, 1) (compiled blocks only: Inductor
@@ -68,6 +70,7 @@ import torch
 import torch.nn as nn
 
 from .activations import compress_activations
+from .device import fp8_device_problem, has_fp8_conversions
 from .memory import estimate_peak_bytes
 from .nn import LowBitLinear, convert_linears
 from .nn.convert import conversion_targets, is_fsdp_unit
@@ -345,7 +348,14 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
         raise ValueError("lpoptim.prepare: the model has no parameters that require gradients")
     device = params[0].device
     cuda = device.type == "cuda"
-    fp8_cores = cuda and torch.cuda.get_device_capability(device) >= (8, 9)
+    fp8_cores = cuda and has_fp8_conversions(device)
+    # FP8 activations (recompute's FP8 block inputs too) and low-bit linears need FP8 conversions: refused before
+    # any change on a GPU without them (lpoptim.AdamW's states do not need them)
+    no_fp8 = fp8_device_problem(params[:1], "FP8 activations and low-bit linear layers") if cuda else None
+    if no_fp8 and activations in ACTIVATIONS[1:]:
+        raise ValueError(f"lpoptim.prepare: activations={activations!r}: {no_fp8}")
+    if no_fp8 and linears not in (AUTO, None, False):
+        raise ValueError(f"lpoptim.prepare: linears={linears!r}: {no_fp8}")
     reasons = {}
     # FSDP2 first: it refuses any budget, before a fraction is asked of the device
     linears = _sharded_parts(model, name, params, linears,
@@ -408,6 +418,8 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
         activation_choices = [*ACTIVATIONS[:-1], *(AUTO_BUDGETS if compile else ()), ACTIVATIONS[-1]]
         if cuda_graphs:  # recompute runs blocks inside backward, outside their graphs
             activation_choices = [*ACTIVATIONS[:-1], *AUTO_BUDGETS]
+        if no_fp8:  # as saved, or Inductor's budgets
+            activation_choices = [c for c in activation_choices if c not in ACTIVATIONS[1:]]
     else:
         activation_choices = [activations or None]
 

@@ -8,8 +8,11 @@ fuse multiply-adds; the bound below allows a few codes to move one grid step, no
 """
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from lpoptim.kernels import adamw_step as kernel
+from lpoptim.kernels.grid import fp8_bits, fp8_value
 from lpoptim.optim.reference import load_moment, reference_adamw_step
 from lpoptim.optim.state import StateLayout, init_state
 from lpoptim.quant import to_groups
@@ -246,3 +249,111 @@ def test_a_step_the_kernel_cannot_read_is_refused(bad):
     hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, amsgrad=False, maximize=False)
     with pytest.raises(ValueError, match="'step' must be one float32 value"):
         kernel.fused_adamw_step([(p, torch.randn_like(p), state, layout)], **hyper)
+
+
+# ---- GPUs without FP8 conversions (compute capability < 8.9: A100, V100, RTX 30xx) ---------------------------------
+# Triton refuses its fp8e4nv type there, so the kernel converts codes by integer arithmetic instead (HW_FP8=False,
+# grid.hardware_fp8). Both paths must write and read the same bits.
+
+@triton.jit
+def _integer_roundtrip(codes_ptr, values_ptr, recoded_ptr, IS_E4M3: tl.constexpr):
+    offs = tl.arange(0, 256)
+    v = fp8_value(tl.load(codes_ptr + offs), IS_E4M3, False, False)
+    tl.store(values_ptr + offs, v)
+    tl.store(recoded_ptr + offs, fp8_bits(v, IS_E4M3, False))
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_integer_fp8_conversions_match_torch_on_every_code(fmt):
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    values, recoded = torch.empty(256), torch.empty(256, dtype=torch.uint8)
+    _integer_roundtrip[(1,)](codes, values, recoded, IS_E4M3=fmt == torch.float8_e4m3fn)
+    want = codes.view(fmt).float()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(values), nan)
+    assert torch.equal(values[~nan].view(torch.int32), want[~nan].view(torch.int32))  # -0.0 and subnormals too
+    finite = torch.isfinite(want)
+    assert torch.equal(recoded[finite], codes[finite])  # every finite code written back as itself
+    # NaN written back as a NaN code (its sign is not kept, as on the hardware path); E5M2's infinities saturate to
+    # the largest finite code, as cvt.rn.satfinite does
+    assert ((recoded[nan] & 0x7F) == (0x7F if fmt == torch.float8_e4m3fn else 0x7E)).all()
+    if fmt == torch.float8_e5m2:
+        assert recoded[0x7C] == 0x7B and recoded[0xFC] == 0xFB
+
+
+@pytest.mark.parametrize("v_format", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_kernel_without_fp8_conversions_writes_the_same_bits(monkeypatch, v_format, amsgrad):
+    layout = StateLayout(quantized=True, exp_avg_sq_format=v_format)
+    runs = []
+    for hardware in (True, False):
+        monkeypatch.setattr(kernel, "hardware_fp8", lambda device, hardware=hardware: hardware)
+        params, _rp, states, _rs = kernel_and_reference("cpu", torch.bfloat16, layout, SHAPES, steps=3,
+                                                        amsgrad=amsgrad, sr_salts=list(range(len(SHAPES))))
+        runs.append((params, states))
+    (p_hw, s_hw), (p_int, s_int) = runs
+    for a, b in zip(p_hw, p_int):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    for a, b in zip(s_hw, s_int):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k].view(torch.uint8) if a[k].dtype == torch.uint8 else a[k], b[k]), k
+
+
+_COMPILE_FOR_SM80 = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lpoptim.kernels import adamw_step as kernel
+from lpoptim.optim.adamw import LPOPTIM_DEFAULTS
+
+fn = kernel._adamw_kernel
+consts = dict(PARAM_DTYPE=kernel._TL_DTYPES[torch.bfloat16], G=LPOPTIM_DEFAULTS["group_size"], BLOCK_G=2, LOOP=8,
+              AMSGRAD=True, MAXIMIZE=False, LR_IS_TENSOR=False, HAS_GRAD_SCALE=False, HAS_FOUND_INF=False,
+              EVEN_ROWS=True, ON_GPU=True, STOCHASTIC=True, ALIGNED=True, QUANT=True, EXPANSION=True, SQRT_V=False,
+              HW_FP8=False, **kernel._format_args("e4m3", "M"), **kernel._format_args("e4m3", "V"))
+pointers = {"ptrs": "*i64", "dims": "*i32", "blocks": "*i32", "salt_ptr": "*i32"}
+sig = {n: "constexpr" if n in consts else pointers.get(n, "*fp32") if n in pointers or n.endswith("_ptr") else "fp32"
+       for n in fn.arg_names}
+try:
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 80, 32),
+                              options=dict(num_warps=1))
+except RuntimeError as e:
+    if "ptxas" in str(e).lower():
+        print("no-toolchain", e)
+        raise SystemExit(0)
+    raise
+print("compiled", "fp8" in compiled.asm["ttgir"])
+"""
+
+
+def test_kernel_compiles_for_gpus_without_fp8_conversions():
+    """Compiled (not run) for an A100 (sm_80), as a launch there asks: Triton's compiler needs no GPU, but it
+    does need to be out of the interpreter, hence a process of its own."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM80], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    if out.stdout.startswith("no-toolchain"):
+        pytest.skip(out.stdout)
+    assert out.stdout.split()[-2:] == ["compiled", "False"]  # and no FP8 type left for sm_80 to refuse
+
+
+@pytest.mark.gpu
+def test_kernel_without_fp8_conversions_writes_the_same_bits_gpu(monkeypatch):
+    layout = StateLayout(quantized=True)
+    runs = []
+    for hardware in (True, False):
+        monkeypatch.setattr(kernel, "hardware_fp8", lambda device, hardware=hardware: hardware)
+        params, _rp, states, _rs = kernel_and_reference("cuda", torch.bfloat16, layout, SHAPES, steps=3,
+                                                        sr_salts=list(range(len(SHAPES))))
+        runs.append((params, states))
+    for a, b in zip(runs[0][0], runs[1][0]):
+        assert torch.equal(a, b)
+    for a, b in zip(runs[0][1], runs[1][1]):
+        for k in a:
+            assert torch.equal(a[k], b[k]), k

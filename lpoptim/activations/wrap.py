@@ -31,6 +31,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
+from ..device import fp8_device_problem
 from ..instance_forward import had_own_forward, install_forward, remove_forward
 from .graph_hooks import GraphHooks
 from .hooks import PackContext
@@ -119,6 +120,9 @@ def compress_activations(blocks: nn.Module | Iterable[nn.Module], policy: Activa
         raise ValueError(f"compress_activations: recompute=True runs each block again inside backward, outside the "
                          f"CUDA graphs of compile mode {compile['mode']!r}: not supported")
     mods = _as_blocks(blocks)
+    problem = fp8_device_problem((p for b in mods for p in b.parameters()), "FP8 activations")
+    if problem:
+        raise ValueError(f"compress_activations: {problem}")
     for b in mods:
         if is_wrapped(b):
             raise RuntimeError(f"{type(b).__name__} is already wrapped by compress_activations; remove() it first")

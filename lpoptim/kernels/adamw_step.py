@@ -14,7 +14,9 @@ with the GPU's one-instruction approximations where speed asked for them: lg2/ex
 (decode: t ** (1/k); encode: 2^(k log2(|x|/c) + log2 FMAX), one fma), rcp for per-group reciprocals and in the
 update, fused multiply-adds. Group min/max are integer reductions on the bits (|x| orders as its bits do).
 Under the interpreter the rounding onto the grid is done by hand; on the GPU the hardware fp8 cast does the same
-round-to-nearest-even. tests/test_adamw_kernel.py states and checks the bound between the two.
+round-to-nearest-even; on GPUs without FP8 conversions (HW_FP8=False: A100 and older) the rounding is done by hand
+as under the interpreter and the bits are assembled and read by integer arithmetic (grid.fp8_cast_bits,
+grid.fp8_value): the same bits. tests/test_adamw_kernel.py states and checks the bound between the two.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ try:
     from triton.language.extra import libdevice
 
     from .grid import (fast_exp2, fast_log2, fast_rcp, finite_abs, fp8_bits, fp8_cast_bits, fp8_value, grid_magnitude,
-                       hash32, interpreted, round_bf16_stochastic, store_as, with_sign_of)
+                       hardware_fp8, hash32, interpreted, round_bf16_stochastic, store_as, with_sign_of)
     from .launch import launcher
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - triton is a dependency, but keep the reference usable without it
@@ -145,11 +147,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _decode(codes_ptr, scale_ptr, offs, mask, gid, gmask, IS_E4M3: tl.constexpr, INV_MAX: tl.constexpr,
-                QUANT: tl.constexpr, ON_GPU: tl.constexpr):
+                QUANT: tl.constexpr, ON_GPU: tl.constexpr, HW_FP8: tl.constexpr):
         """Moment values of a [BLOCK_G, G] tile; gid/gmask are [BLOCK_G, 1] (one scale per row of the tile)."""
         if not QUANT:  # small tensors keep plain fp32 moments
             return tl.load(codes_ptr.to(tl.pointer_type(tl.float32)) + offs, mask=mask, other=0.0)
-        q = fp8_value(tl.load(codes_ptr + offs, mask=mask, other=0), IS_E4M3, ON_GPU)
+        q = fp8_value(tl.load(codes_ptr + offs, mask=mask, other=0), IS_E4M3, ON_GPU, HW_FP8)
         c = tl.load(scale_ptr + gid, mask=gmask, other=0.0)
         # t ** (1/k) by the code the scale holds, whatever the layout says now (a state saved with expansion on
         # may be loaded or stepped with it off); t = 1 (the group's absmax) stays exactly 1: the scale cannot drift
@@ -162,7 +164,7 @@ if HAVE_TRITON:
     @triton.jit
     def _encode(x, codes_ptr, scale_ptr, offs, mask, gid, gmask, EXPANSION: tl.constexpr, IS_E4M3: tl.constexpr,
                 MAN_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FMAX: tl.constexpr, SPAN_LOG2: tl.constexpr,
-                LOG2_MAX: tl.constexpr, QUANT: tl.constexpr, ON_GPU: tl.constexpr):
+                LOG2_MAX: tl.constexpr, QUANT: tl.constexpr, ON_GPU: tl.constexpr, HW_FP8: tl.constexpr):
         if not QUANT:
             tl.store(codes_ptr.to(tl.pointer_type(tl.float32)) + offs, x, mask=mask)
             return
@@ -198,11 +200,11 @@ if HAVE_TRITON:
             inv_c = tl.div_rn(1.0, tl.where(c > 0, c, 1.0))  # once per group, as the reference
             f = tl.where(c > 0, tl.minimum(a * inv_c, 1.0), 0.0) * FMAX
             f = tl.where(x == x, f, float("nan"))  # the GPU's min drops NaN
-        if ON_GPU:  # cvt.rn.satfinite rounds to nearest even onto the grid (as grid_magnitude does) and saturates
+        if ON_GPU and HW_FP8:  # cvt.rn.satfinite rounds to nearest even onto the grid (as grid_magnitude does), saturates
             codes = fp8_cast_bits(with_sign_of(f, x), IS_E4M3)
-        else:
+        else:  # the interpreter, and GPUs without FP8 conversions: rounded here, the bits assembled by fp8_bits
             q = with_sign_of(grid_magnitude(tl.where(f == f, f, 0.0), MAN_BITS, MIN_EXP, FMAX), x)
-            codes = fp8_bits(tl.where((f == f) | (mask == 0), q, float("nan")), IS_E4M3)
+            codes = fp8_bits(tl.where((f == f) | (mask == 0), q, float("nan")), IS_E4M3, HW_FP8)
         tl.store(codes_ptr + offs, codes, mask=mask)
 
     @triton.jit
@@ -217,7 +219,7 @@ if HAVE_TRITON:
         QUANT: tl.constexpr, EXPANSION: tl.constexpr, SQRT_V: tl.constexpr, AMSGRAD: tl.constexpr,
         MAXIMIZE: tl.constexpr, LR_IS_TENSOR: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
         HAS_FOUND_INF: tl.constexpr, EVEN_ROWS: tl.constexpr, ON_GPU: tl.constexpr, LOOP: tl.constexpr,
-        STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr,
+        STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr, HW_FP8: tl.constexpr,
     ):
         pid = tl.program_id(0)
         if HAS_FOUND_INF:
@@ -251,8 +253,8 @@ if HAVE_TRITON:
             if MAXIMIZE:
                 g = -g
 
-            m = _decode(m_ptr, ms_ptr, offs, mask, gid, gmask, M_E4M3, M_INV, QUANT, ON_GPU)
-            v = _decode(v_ptr, vs_ptr, offs, mask, gid, gmask, V_E4M3, V_INV, QUANT, ON_GPU)
+            m = _decode(m_ptr, ms_ptr, offs, mask, gid, gmask, M_E4M3, M_INV, QUANT, ON_GPU, HW_FP8)
+            v = _decode(v_ptr, vs_ptr, offs, mask, gid, gmask, V_E4M3, V_INV, QUANT, ON_GPU, HW_FP8)
             if SQRT_V and QUANT:
                 v = v * v
             if QUANT:  # a decoded v is never below what Adam's own recursion allows beside the decoded m
@@ -262,7 +264,7 @@ if HAVE_TRITON:
             sqrt_v = tl.sqrt(v)
             sqrt_v_used = sqrt_v
             if AMSGRAD:
-                v_max = _decode(vm_ptr, vms_ptr, offs, mask, gid, gmask, V_E4M3, V_INV, QUANT, ON_GPU)
+                v_max = _decode(vm_ptr, vms_ptr, offs, mask, gid, gmask, V_E4M3, V_INV, QUANT, ON_GPU, HW_FP8)
                 if SQRT_V and QUANT:
                     sqrt_v_used = tl.maximum(v_max, sqrt_v)
                     v_max = sqrt_v_used
@@ -276,14 +278,14 @@ if HAVE_TRITON:
             store_as(p_ptr + offs, p, mask, PARAM_DTYPE, ON_GPU)
 
             _encode(m, m_ptr, ms_ptr, offs, mask, gid, gmask, EXPANSION, M_E4M3, M_MAN, M_MINEXP, M_MAX, M_SPAN, M_LOG2,
-                    QUANT, ON_GPU)
+                    QUANT, ON_GPU, HW_FP8)
             if SQRT_V and QUANT:
                 v = sqrt_v
             _encode(v, v_ptr, vs_ptr, offs, mask, gid, gmask, EXPANSION, V_E4M3, V_MAN, V_MINEXP, V_MAX, V_SPAN, V_LOG2,
-                    QUANT, ON_GPU)
+                    QUANT, ON_GPU, HW_FP8)
             if AMSGRAD:
                 _encode(v_max, vm_ptr, vms_ptr, offs, mask, gid, gmask, EXPANSION, V_E4M3, V_MAN, V_MINEXP, V_MAX, V_SPAN,
-                        V_LOG2, QUANT, ON_GPU)
+                        V_LOG2, QUANT, ON_GPU, HW_FP8)
 
     N_PTRS_C = tl.constexpr(N_PTRS)
     STEP_COLUMN_C = tl.constexpr(STEP_COLUMN)
@@ -490,4 +492,4 @@ def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_de
     launcher(_adamw_kernel)(
         (plan.n_blocks,), *args, **_format_args(layout.exp_avg_format, "M"),
         **_format_args(layout.exp_avg_sq_format, "V"), QUANT=layout.quantized, EXPANSION=layout.expansion,
-        SQRT_V=layout.sqrt_v, STOCHASTIC=salts is not None, **common)
+        SQRT_V=layout.sqrt_v, STOCHASTIC=salts is not None, HW_FP8=hardware_fp8(dev), **common)

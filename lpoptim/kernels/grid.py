@@ -10,6 +10,8 @@ import functools
 import triton
 import triton.language as tl
 
+from ..device import has_fp8_conversions
+
 RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: adding and subtracting it rounds |y| < 2**22 to an integer, ties to even
 
 
@@ -82,6 +84,13 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def hardware_fp8(device) -> bool:
+    """Whether Triton compiles FP8 conversions (E4M3) for kernels on ``device`` (lpoptim/device.py): GPUs of
+    compute capability 8.9 or more, and the interpreter. Elsewhere (A100, V100, RTX 30xx) the optimizer's kernel
+    converts by integer arithmetic instead (HW_FP8=False)."""
+    return interpreted() or has_fp8_conversions(device)
+
+
 @triton.jit
 def with_sign_of(mag, x):
     """copysign(mag, x) on the bits (-0.0 keeps its sign, as torch.copysign does)."""
@@ -90,22 +99,37 @@ def with_sign_of(mag, x):
 
 
 @triton.jit
-def fp8_cast_bits(q, IS_E4M3: tl.constexpr):
-    """fp32 -> uint8 fp8 bit patterns by the hardware cast (exact for grid values; on the GPU it also rounds
-    to nearest even and saturates, and NaN stays NaN)."""
-    if IS_E4M3:
-        return q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+def fp8_cast_bits(q, IS_E4M3: tl.constexpr, HW_FP8: tl.constexpr = True):
+    """fp32 -> uint8 fp8 bit patterns. HW_FP8: by the hardware cast (exact for grid values; on the GPU it also
+    rounds to nearest even and saturates, and NaN stays NaN). Else (GPUs without FP8 conversions, hardware_fp8)
+    by integer arithmetic, for grid values only (the caller rounds first): magnitudes above the format's largest
+    value saturate to it, NaN is the caller's (fp8_bits)."""
+    if HW_FP8:
+        if IS_E4M3:
+            return q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            return q.to(tl.float8e5).to(tl.uint8, bitcast=True)
     else:
-        return q.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        MAN: tl.constexpr = 3 if IS_E4M3 else 2
+        BIAS: tl.constexpr = 7 if IS_E4M3 else 15
+        FMAX: tl.constexpr = 448.0 if IS_E4M3 else 57344.0
+        SUB: tl.constexpr = 512.0 if IS_E4M3 else 65536.0  # 1 / the subnormal spacing, 2^(BIAS - 1 + MAN)
+        bits = q.to(tl.int32, bitcast=True)
+        a = tl.minimum(tl.abs(q), FMAX)
+        mag = a.to(tl.int32, bitcast=True)
+        e = ((mag >> 23) & 0xFF) - 127 + BIAS  # the biased fp8 exponent; <= 0 below the smallest normal
+        normal = (e << MAN) | ((mag >> (23 - MAN)) & ((1 << MAN) - 1))
+        subnormal = (a * SUB).to(tl.int32)  # exact: a grid value below the smallest normal is a multiple of 1/SUB
+        return (tl.where(e > 0, normal, subnormal) | ((bits >> 24) & 0x80)).to(tl.uint8)
 
 
 @triton.jit
-def fp8_bits(q, IS_E4M3: tl.constexpr):
+def fp8_bits(q, IS_E4M3: tl.constexpr, HW_FP8: tl.constexpr = True):
     """fp32 grid values (or NaN) -> uint8 fp8 bit patterns; NaN becomes 0x7F / 0xFF (E4M3) or 0x7E / 0xFE (E5M2)
     by its sign, as torch writes it, on every backend (the interpreter's cast gets NaN wrong)."""
     nan_code: tl.constexpr = 0x7F if IS_E4M3 else 0x7E
     nan_bits = tl.where((q.to(tl.int32, bitcast=True) >> 31) != 0, nan_code | 0x80, nan_code)
-    return tl.where(q != q, nan_bits, fp8_cast_bits(q, IS_E4M3)).to(tl.uint8)
+    return tl.where(q != q, nan_bits, fp8_cast_bits(q, IS_E4M3, HW_FP8)).to(tl.uint8)
 
 
 @triton.jit
@@ -116,10 +140,25 @@ def finite_abs(x):
 
 
 @triton.jit
-def fp8_value(b, IS_E4M3: tl.constexpr, ON_GPU: tl.constexpr):
+def fp8_value(b, IS_E4M3: tl.constexpr, ON_GPU: tl.constexpr, HW_FP8: tl.constexpr = True):
     """uint8 fp8 bit patterns -> fp32. The interpreter decodes NaN codes as numbers (E4M3 0x7F as 480), so
-    there they are decoded by hand; the GPU's cast gets them right."""
-    if IS_E4M3:
+    there they are decoded by hand; the GPU's cast gets them right. Without HW_FP8 (GPUs without FP8
+    conversions, hardware_fp8) the bits are decoded by integer arithmetic."""
+    if not HW_FP8:
+        MAN: tl.constexpr = 3 if IS_E4M3 else 2
+        BIAS: tl.constexpr = 7 if IS_E4M3 else 15
+        SPACING: tl.constexpr = 0.001953125 if IS_E4M3 else 1.52587890625e-05  # subnormals: 2^-9, 2^-16
+        i = b.to(tl.int32) & 0xFF
+        e = (i >> MAN) & (0x7F >> MAN)
+        m = i & ((1 << MAN) - 1)
+        normal = (((e + 127 - BIAS) << 23) | (m << (23 - MAN))).to(tl.float32, bitcast=True)
+        v = tl.where(e == 0, m.to(tl.float32) * SPACING, normal)
+        v = (v.to(tl.int32, bitcast=True) | ((i & 0x80) << 24)).to(tl.float32, bitcast=True)
+        if IS_E4M3:
+            v = tl.where((i & 0x7F) == 0x7F, float("nan"), v)
+        else:  # exponent all ones: inf (mantissa 0) or NaN
+            v = tl.where(e == 31, tl.where(m == 0, with_sign_of(float("inf") + tl.zeros_like(v), v), float("nan")), v)
+    elif IS_E4M3:
         v = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         if not ON_GPU:
             v = tl.where((b & 0x7F) == 0x7F, float("nan"), v)

@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch.nn as nn
 
+from ..device import fp8_device_problem
 from .linear import LowBitLinear, module_class
 from .recipes import DEFAULT_RECIPE, Recipe, get_recipe
 
@@ -94,6 +95,9 @@ def convert_linears(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *,
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_linears takes an nn.Module, got {type(model).__name__}")
     recipe = get_recipe(recipe, **recipe_overrides)  # TypeError / ValueError before anything is touched
+    problem = fp8_device_problem(model.parameters(), "low-bit linear layers")
+    if problem:
+        raise ValueError(f"convert_linears: {problem}")
     cls = module_class(recipe)
     try:  # every layer checked before any changes
         todo, odd, held = conversion_targets(model, filter_fn, skip, skip_tied)
