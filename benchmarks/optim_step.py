@@ -63,6 +63,8 @@ def optimizers():
     # bf16 parameters only: the update rounded stochastically (bf16 master weights)
     yield "lpoptim.AdamW SR", lambda ps: lpoptim.AdamW(ps, lr=1e-3, weight_decay=0.1, bf16_stochastic_round=True)
     yield "lpoptim.AdamW 4-bit", lambda ps: lpoptim.AdamW(ps, lr=1e-3, weight_decay=0.1, state_bits=4)
+    yield "lpoptim.AdamW 4-bit SR", lambda ps: lpoptim.AdamW(ps, lr=1e-3, weight_decay=0.1, state_bits=4,
+                                                             bf16_stochastic_round=True)
     yield "torch AdamW fused", lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, fused=True)
     yield "torch AdamW foreach", lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, foreach=True)
     try:

@@ -352,7 +352,7 @@ def test_every_decoded_ratio_is_within_its_groups_exact_one_after_a_step():
     moments had (what the step computed before encoding them), and the codes are quantize_state4_moments' of those
     moments with AdamW's noise; without the raise at encode some decoded ratios exceed it."""
     from lpoptim.optim.reference import reference_adamw_step
-    from lpoptim.optim.stochastic_round import uniform_noise, v_noise_key
+    from lpoptim.optim.stochastic_round import sr_key, uniform_noise
 
     gen = torch.Generator().manual_seed(2)
     p = torch.randn(64, 256, generator=gen)
@@ -363,7 +363,7 @@ def test_every_decoded_ratio_is_within_its_groups_exact_one_after_a_step():
         m_exact, v_exact = _exact_moments(st, g, 0.9, 0.999)  # the step's, as the reference computes them
         reference_adamw_step(p, g, st, LAYOUT4, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                              amsgrad=False, maximize=False, state_salt=1)
-        noise = uniform_noise(p.shape, v_noise_key(st["step"], 1))
+        noise = uniform_noise(p.shape, sr_key(st["step"], 1))
         mc, ms, vc, vs = quant.quantize_state4_moments(m_exact, v_exact, noise=noise)
         assert torch.equal(st["exp_avg_codes4"], mc) and torch.equal(st["exp_avg_sq_codes4"], vc)
         m = load_moment(st, "exp_avg", LAYOUT4, p.shape).double()
@@ -475,7 +475,7 @@ def test_kernel_raises_v_to_the_ratio_bound_as_the_reference(_tiles):
     """Heavy-tailed gradients, where the raise at encode moves many of v's codes: the kernel's codes are the
     reference's (and quantize_state4_moments' of the reference's exact moments), and some are raised."""
     from lpoptim.optim.reference import reference_adamw_step
-    from lpoptim.optim.stochastic_round import uniform_noise, v_noise_key
+    from lpoptim.optim.stochastic_round import sr_key, uniform_noise
 
     gen = torch.Generator().manual_seed(4)
     p = torch.randn(6, 256, generator=gen)
@@ -489,7 +489,7 @@ def test_kernel_raises_v_to_the_ratio_bound_as_the_reference(_tiles):
         kernel.fused_adamw_step([(p, g, s, LAYOUT4)], state_salts=[3], **hyper)
         reference_adamw_step(rp, g, rs, LAYOUT4, state_salt=3, **hyper)
         assert s.keys() == rs.keys() and all(torch.equal(s[k], rs[k]) for k in s)
-        noise = uniform_noise(p.shape, v_noise_key(rs["step"], 3))
+        noise = uniform_noise(p.shape, sr_key(rs["step"], 3))
         plain = quant.unpack_codes4(quant.quantize_state4(v_exact, True, noise=noise)[0], p.shape)
         raised += int((quant.unpack_codes4(s["exp_avg_sq_codes4"], p.shape) > plain).sum())
     assert raised > 0

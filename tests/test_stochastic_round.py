@@ -7,7 +7,7 @@ import lpoptim
 from lpoptim.kernels import adamw_step as kernel
 from lpoptim.optim.reference import reference_adamw_step
 from lpoptim.optim.state import StateLayout, init_state
-from lpoptim.optim.stochastic_round import hash32, round_bf16_stochastic, sr_key
+from lpoptim.optim.stochastic_round import MASK32, hash32, round_bf16_stochastic, sr_key, uniform_noise
 
 
 def _lowbias32(x: int) -> int:  # the published function, on Python ints
@@ -187,3 +187,21 @@ def test_small_gpt_with_bf16_master_weights_matches_fp32_training():
     bf16 = train(RunConfig(optimizer="lpoptim", master="bf16", steps=150))
     assert bf16["label"].endswith("bf16 params (SR)")
     assert abs(bf16["val"] / fp32["val"] - 1) < 0.01, (bf16["val"], fp32["val"])
+
+
+def test_v_noise_is_the_top_half_of_the_parameters_rounding_hash():
+    """4-bit states take v's uniforms from the top 16 bits of the hash whose low 16 round the bf16 parameter
+    (one hash per element in the kernel): they are uniform, and uncorrelated with the low half they share it with."""
+    key = sr_key(torch.tensor(7.0), 3)
+    u = uniform_noise((1 << 20,), key, offset=5)
+    assert u.min() >= 0 and u.max() < 1 and torch.equal(u * 2 ** 16, (u * 2 ** 16).round())
+    idx = (torch.arange(1 << 20, dtype=torch.int64) + 5) & MASK32
+    h = hash32(idx ^ key)
+    assert torch.equal(u, (h >> 16).float() * 2.0 ** -16)
+    low = (h & 0xFFFF).float() * 2.0 ** -16
+    assert abs(u.mean().item() - 0.5) < 2e-3 and abs(low.mean().item() - 0.5) < 2e-3
+    corr = torch.corrcoef(torch.stack([u, low]))[0, 1].item()
+    assert abs(corr) < 5e-3  # 2^20 samples: independent halves give |r| ~ 1e-3
+    # and bucket by bucket (8 x 8 joint histogram of the two halves' top 3 bits: ~0.8% noise a bucket) uniform
+    joint = torch.bincount(((h >> 29) * 8 + ((h >> 13) & 7)).long(), minlength=64).float()
+    assert (joint / joint.mean() - 1).abs().max() < 0.05

@@ -24,17 +24,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..optim.stochastic_round import V_NOISE_SALT
 from ..quant import FP32_MIN_NORMAL, M4_INV, M4_NAN, M4_TOP, RATIO_SLACK, V4_TOP
 from .adamw_step import _address, _program_tensor, _step_scalars, _tile
-from .grid import (RNE_MAGIC, TWO_23, fast_rcp, finite_abs, hash32, integer_at_2_23, round_bf16_stochastic,
+from .grid import (RNE_MAGIC, TWO_23, fast_rcp, finite_abs, hash32, integer_at_2_23, round_bf16_with_bits,
                    round_half_even, store_as, with_sign_of)
 
 M4_TOP_C = tl.constexpr(M4_TOP)
 V4_TOP_C = tl.constexpr(V4_TOP)
 M4_NAN_C = tl.constexpr(M4_NAN)
 MIN_NORMAL_C = tl.constexpr(FP32_MIN_NORMAL)
-V_NOISE_SALT_C = tl.constexpr(V_NOISE_SALT)
 M4_INV_C = tl.constexpr(M4_INV)
 RATIO_SLACK_C = tl.constexpr(RATIO_SLACK)
 
@@ -157,11 +155,10 @@ def adamw4_kernel(
         LR_IS_TENSOR, ON_GPU)
     if HAS_GRAD_SCALE:
         inv_grad_scale = 1.0 / tl.load(grad_scale_ptr)
-    # the tensor's key for this step (stochastic_round.sr_key): the bf16 rounding's (STOCHASTIC), and v's
-    # (stochastic_round.v_noise_key), which every 4-bit state takes
+    # the tensor's key for this step (stochastic_round.sr_key): one hash of it per element gives the bf16
+    # rounding's bits (STOCHASTIC, the low 16) and v's, which every 4-bit state takes (the top 16)
     # the salt table holds (salt, element offset) per tensor: the offset of an FSDP2 shard's first element
     key = hash32(hash32(step.to(tl.uint32)) + tl.load(salt_ptr + 2 * tensor).to(tl.uint32) * 0x9E3779B9)
-    key_v = hash32(key ^ V_NOISE_SALT_C)
     index_offset = tl.load(salt_ptr + 2 * tensor + 1).to(tl.uint32)
     if AMSGRAD:
         vm_ptr = _address(row_ptrs, 6, tl.uint8, ALIGNED)
@@ -200,16 +197,17 @@ def adamw4_kernel(
             sqrt_v_used = tl.sqrt(v_max)
         denom = sqrt_v_used * inv_bc2_sqrt + eps
         p = p * decay - step_size * (m * fast_rcp(denom, ON_GPU))
+        bits = hash32((offs.to(tl.uint32) + index_offset) ^ key)
         if STOCHASTIC:
-            p = round_bf16_stochastic(p, offs.to(tl.uint32) + index_offset, key)
+            p = round_bf16_with_bits(p, bits)
         store_as(p_ptr + offs, p, mask, PARAM_DTYPE, ON_GPU)
 
         r2 = _ratio_bound(m, v, ON_GPU)  # from the exact moments, before they are rounded
         q2_m, c_m = _encode4(m, m_ptr, ms_ptr, boffs, bmask, mask, gid, gmask, 0.0, 0.0, 0.0, 0.0, False, BLOCK_G,
                              G, False, False, EVEN_ROWS, ON_GPU)
-        # v rounded stochastically: uniforms from the top 24 bits of hash32(index ^ key_v)
-        # (stochastic_round.uniform_noise), its code then raised to the group's ratio bound
-        noise = (hash32((offs.to(tl.uint32) + index_offset) ^ key_v) >> 8).to(tl.float32) * 5.960464477539063e-08
+        # v rounded stochastically: uniforms from the top 16 bits of the same hash (stochastic_round.uniform_noise),
+        # its code then raised to the group's ratio bound
+        noise = (bits >> 16).to(tl.float32) * 1.52587890625e-05
         _encode4(v, v_ptr, vs_ptr, boffs, bmask, mask, gid, gmask, noise, q2_m, M4_INV_C * c_m, r2, True,
                  BLOCK_G, G, True, True, EVEN_ROWS, ON_GPU)
         if AMSGRAD:  # the running maximum: to nearest

@@ -250,6 +250,11 @@ def round_bf16_stochastic(x, index, key):
     """fp32 -> fp32 on the bf16 grid, rounded at random (stochastic_round.round_bf16_stochastic): element
     ``index`` (int) adds hash32(index ^ key) & 0xFFFF to its bits and drops the low 16. Non-finite values are
     returned unchanged (the bf16 store rounds them to nearest)."""
-    noise = hash32(index.to(tl.uint32) ^ key) & 0xFFFF
-    rounded = ((x.to(tl.uint32, bitcast=True) + noise) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return round_bf16_with_bits(x, hash32(index.to(tl.uint32) ^ key))
+
+
+@triton.jit
+def round_bf16_with_bits(x, bits):
+    """round_bf16_stochastic with the element's hash ``bits`` (uint32) given: their low 16 are the noise."""
+    rounded = ((x.to(tl.uint32, bitcast=True) + (bits & 0xFFFF)) & 0xFFFF0000).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(x) < float("inf"), rounded, x)

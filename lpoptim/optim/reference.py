@@ -13,7 +13,7 @@ import torch
 from ..quant import (adam_bound_inv, dequantize_state, dequantize_state4, quantize_state, quantize_state4,
                      quantize_state4_moments)
 from .state import CODES, CODES4, StateLayout, moment_dtype
-from .stochastic_round import round_bf16_stochastic, sr_key, uniform_noise, v_noise_key
+from .stochastic_round import round_bf16_stochastic, sr_key, uniform_noise
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -75,7 +75,8 @@ def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, l
 
     ``sr_salt``: round a bf16 parameter stochastically (stochastic_round.py), with this salt in its key.
     ``state_salt``: 4-bit states (layout.state_bits == 4) round v stochastically with this salt in its key
-    (stochastic_round.v_noise_key; lpoptim.AdamW passes the parameter's index, as for sr_salt). ``offset``: the
+    (stochastic_round.uniform_noise: the top bits of the hash whose low bits round p; lpoptim.AdamW passes the
+    parameter's index, as for sr_salt). ``offset``: the
     index of ``param``'s first element in the whole tensor (an FSDP2 shard's), which both roundings' noise is
     drawn by.
 
@@ -113,7 +114,7 @@ def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, l
 
     noise = None
     if layout.quantized and layout.state_bits == 4:  # v rounded stochastically
-        noise = uniform_noise(param.shape, v_noise_key(step, state_salt), offset)
+        noise = uniform_noise(param.shape, sr_key(step, state_salt), offset)
     entries = {"step": step, **encode_moments(m, v, layout, noise)}  # 4 bits: with the groups' ratio bound
     if amsgrad:  # the running maximum: to nearest
         entries.update(encode_moment("max_exp_avg_sq", v_used, layout))

@@ -63,22 +63,18 @@ def round_bf16_stochastic(x: torch.Tensor, key: torch.Tensor, offset: int = 0) -
     return torch.where(torch.isfinite(x), rounded, x).to(torch.bfloat16)  # exact: the low 16 bits are zero
 
 
-# 4-bit states (state_bits=4) round v stochastically onto its grid: floor(f + u), u uniform in [0, 1) from the
-# top 24 bits of hash32(i ^ key_v), key_v = hash32(sr_key(step, salt) ^ V_NOISE_SALT), so v's bits are not the
-# parameter's bf16 rounding bits of the same step (which take the low 16 of hash32(i ^ sr_key(step, salt))).
-V_NOISE_SALT = 0x68E31DA4
-
-
-def v_noise_key(step: torch.Tensor, salt: torch.Tensor | int) -> torch.Tensor:
-    return hash32(sr_key(step, salt) ^ V_NOISE_SALT)
+# 4-bit states (state_bits=4) round v stochastically onto its grid: floor(f + u), u uniform in [0, 1) from the top
+# 16 bits of the hash whose low 16 round the parameter to bf16 in the same step (round_bf16_stochastic), so one hash
+# per element serves both: u has steps of 2^-16 (a bias below 2^-16 of v's grid step), and the two halves of
+# lowbias32's output are drawn as independently as two hashes would be.
 
 
 def uniform_noise(shape, key: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    """fp32 uniforms in [0, 1) (multiples of 2^-24) of ``shape``: element i (row-major) from hash32(j ^ key),
-    j = (i + offset) mod 2^32. ``offset``: where a shard's first element lies in the whole tensor, so a shard
-    draws the whole tensor's bits (an FSDP2 run rounds as a single-process one)."""
+    """fp32 uniforms in [0, 1) (multiples of 2^-16) of ``shape``: element i (row-major) from the top 16 bits of
+    hash32(j ^ key), j = (i + offset) mod 2^32 (key: sr_key). ``offset``: where a shard's first element lies in the
+    whole tensor, so a shard draws the whole tensor's bits (an FSDP2 run rounds as a single-process one)."""
     numel = 1
     for s in shape:
         numel *= s
     idx = (torch.arange(numel, device=key.device, dtype=torch.int64).view(shape) + offset) & MASK32
-    return (hash32(idx ^ key) >> 8).float() * 2.0 ** -24
+    return (hash32(idx ^ key) >> 16).float() * 2.0 ** -16
