@@ -329,7 +329,8 @@ _STATE_KEYS4 = ("exp_avg_codes4", "exp_avg_scale", "exp_avg_sq_codes4", "exp_avg
 # bound (torch 2.11, triton 3.6; the sweep's script and output were not kept); with the bound, 5.95 ms back to
 # back for 1.24 B parameters, at the copy floor (`benchmarks/optim_step.py`, docs/results/optim_step_4bit_h100.json).
 # With bf16 parameters the FP8 settings were within 2% of the best in another sweep on an H100, before the ratio
-# bound (not kept either); not re-swept with it (the bf16 step is 1.30x its copy floor, the same file).
+# bound (not kept either); not re-swept since (the bf16 step is 1.27x its copy floor, 1.36x with stochastic
+# rounding, the same file).
 TUNING = MappingProxyType(dict(block_groups=2, num_warps=1, loop=8,
                                state4_fp32=MappingProxyType(dict(block_groups=4, num_warps=4, loop=8))))
 
