@@ -24,4 +24,6 @@ def interpreter_friendly_tiles(monkeypatch):
     from lpoptim.kernels import adamw_step as kernel
 
     if not torch.cuda.is_available():
-        monkeypatch.setattr(kernel, "TUNING", {**kernel.TUNING, "block_groups": 16, "num_warps": 4, "loop": 1})
+        friendly = dict(block_groups=16, num_warps=4, loop=1)
+        monkeypatch.setattr(kernel, "TUNING", {**kernel.TUNING, **friendly, "state4_half": friendly,
+                                                "state4_half_sr": friendly})

@@ -328,17 +328,23 @@ _STATE_KEYS4 = ("exp_avg_codes4", "exp_avg_scale", "exp_avg_sq_codes4", "exp_avg
 # 4-bit states on fp32 parameters take their own, the best of a 27-setting sweep on an H100 made before the ratio
 # bound (torch 2.11, triton 3.6; the sweep's script and output were not kept); with the bound, 5.95 ms back to
 # back for 1.24 B parameters, at the copy floor (`benchmarks/optim_step.py`, docs/results/optim_step_4bit_h100.json).
-# With bf16 parameters the FP8 settings were within 2% of the best in another sweep on an H100, before the ratio
-# bound (not kept either); not re-swept since (the bf16 step is 1.27x its copy floor, 1.36x with stochastic
-# rounding, the same file).
+# With bf16 (fp16) parameters, their own with and without stochastic rounding: the best of a 36-setting sweep of
+# the rounding's (block_groups 1-8, warps 1-4, loop 4-16; the five best then timed without it) on an H100 (torch
+# 2.11, triton 3.6; lab script not kept): with rounding 4.43 ms for 1.24 B parameters, (2, 1, 8) 4.59; without,
+# (2, 1, 16) 4.23 ms where (4, 1, 16) took 4.46. benchmarks/optim_step.py with these: 4.23 and 4.43 ms, 1.25x and
+# 1.31x the copy floor (docs/results/optim_step_4bit_h100.json).
 TUNING = MappingProxyType(dict(block_groups=2, num_warps=1, loop=8,
-                               state4_fp32=MappingProxyType(dict(block_groups=4, num_warps=4, loop=8))))
+                               state4_fp32=MappingProxyType(dict(block_groups=4, num_warps=4, loop=8)),
+                               state4_half=MappingProxyType(dict(block_groups=2, num_warps=1, loop=16)),
+                               state4_half_sr=MappingProxyType(dict(block_groups=4, num_warps=1, loop=16))))
 
 
-def _tuning(layout, dtype) -> dict:
-    """The launch settings for this state layout and parameter dtype."""
-    if layout.quantized and layout.state_bits == 4 and dtype == torch.float32 and "state4_fp32" in TUNING:
-        return {**TUNING, **TUNING["state4_fp32"]}
+def _tuning(layout, dtype, stochastic: bool = False) -> dict:
+    """The launch settings for this state layout, parameter dtype and bf16 stochastic rounding."""
+    if layout.quantized and layout.state_bits == 4:
+        own = TUNING.get("state4_fp32" if dtype == torch.float32 else "state4_half_sr" if stochastic else "state4_half")
+        if own is not None:
+            return {**TUNING, **own}
     return TUNING
 
 
@@ -456,7 +462,7 @@ def fused_adamw_step(batch, *, lr, beta1, beta2, eps, weight_decay, amsgrad, max
 
 def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, grad_scale,
             found_inf, salts, stochastic=None):
-    tune = _tuning(layout, dtype)
+    tune = _tuning(layout, dtype, bool(stochastic))
     block_g, loop = tune["block_groups"], tune["loop"]
     plan = _tables(items, layout, block_g * loop)
     steps = [s["step"] for _p, _g, s, _l in items]
