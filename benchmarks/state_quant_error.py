@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lpoptim.bench import environment  # noqa: E402
 from lpoptim import quant  # noqa: E402
 from lpoptim.formats import E2M1, E4M3, E5M2, round_to_grid  # noqa: E402
-from lpoptim.optim.stochastic_round import sr_key, uniform_noise, v_noise_key  # noqa: E402
+from lpoptim.optim.stochastic_round import sr_key, uniform_noise  # noqa: E402
 from lpoptim.train.data import CharData, python_stdlib_text  # noqa: E402
 from lpoptim.train.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -67,9 +67,9 @@ def lpoptim_roundtrip(x):
 
 def lpoptim_roundtrip4(m, v, step, salt=2):
     """The shipped 4-bit codec (quant.quantize_state4_moments / dequantize_state4): m to nearest, v rounded
-    stochastically with the noise lpoptim.AdamW draws (stochastic_round.v_noise_key of the step and a salt), its
-    code raised to the group's ratio bound at encode."""
-    noise = uniform_noise(v.shape, v_noise_key(torch.tensor(float(step)), salt))
+    stochastically with the noise lpoptim.AdamW draws (stochastic_round.uniform_noise under sr_key of the step and a
+    salt), its code raised to the group's ratio bound at encode."""
+    noise = uniform_noise(v.shape, sr_key(torch.tensor(float(step)), salt))
     mc, ms, vc, vs = quant.quantize_state4_moments(m, v, noise=noise)
     return quant.dequantize_state4(mc, ms, m.shape, False), quant.dequantize_state4(vc, vs, v.shape, True)
 

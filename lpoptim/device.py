@@ -1,9 +1,10 @@
 """What a GPU can do that lpoptim's kernels depend on: FP8 conversions.
 
 Triton compiles its fp8e4nv type (E4M3, the format of FP8 activations, linear layers and optimizer states) only
-for NVIDIA GPUs of compute capability 8.9 or more (Ada, Hopper, Blackwell). On older ones (A100, A10, V100,
-RTX 30xx) lpoptim.AdamW's kernel converts its codes by integer arithmetic instead; FP8 activations and low-bit
-linear layers are refused there, before anything changes.
+for NVIDIA GPUs of compute capability 8.9 or more (Ada, Hopper, Blackwell). On older ones (A100, A10,
+RTX 30xx: 8.0-8.6) lpoptim.AdamW's kernel converts its codes by integer arithmetic instead; FP8 activations and low-bit
+linear layers are refused there: before anything changes where lpoptim sees the GPU (convert_linears,
+compress_activations, prepare), and at the first launch (kernels/launch.py) for a layer moved there afterwards.
 """
 from __future__ import annotations
 
@@ -36,8 +37,12 @@ def fp8_device_problem(tensors, what: str) -> str | None:
     conversions), or None."""
     for t in tensors:
         if not has_fp8_conversions(t.device):
-            major, minor = capability(_index(t.device))
-            return (f"{what} need a GPU with FP8 conversions (compute capability 8.9 or more: Ada, Hopper, "
-                    f"Blackwell); {t.device} has {major}.{minor}. lpoptim.AdamW (FP8 or 4-bit states) runs there; "
-                    f"on the CPU {what} run emulated")
+            return no_fp8_message(t.device, what)
     return None
+
+
+def no_fp8_message(device: torch.device, what: str) -> str:
+    major, minor = capability(_index(device))
+    return (f"{what} need a GPU with FP8 conversions (compute capability 8.9 or more: Ada, Hopper, Blackwell); "
+            f"{device} has {major}.{minor}. lpoptim.AdamW (FP8 or 4-bit states) runs there; on the CPU {what} run "
+            f"emulated")

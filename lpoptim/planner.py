@@ -354,8 +354,6 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     no_fp8 = fp8_device_problem(params[:1], "FP8 activations and low-bit linear layers") if cuda else None
     if no_fp8 and activations in ACTIVATIONS[1:]:
         raise ValueError(f"lpoptim.prepare: activations={activations!r}: {no_fp8}")
-    if no_fp8 and linears not in (AUTO, None, False):
-        raise ValueError(f"lpoptim.prepare: linears={linears!r}: {no_fp8}")
     reasons = {}
     # FSDP2 first: it refuses any budget, before a fraction is asked of the device
     linears = _sharded_parts(model, name, params, linears,
@@ -386,6 +384,8 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     if linears and not any(type(m) is nn.Linear for m in stack.modules()):  # GPT-2's Conv1D, say
         linears = None
         reasons["linears"] = "the blocks hold no nn.Linear"
+    if linears and no_fp8:
+        raise ValueError(f"lpoptim.prepare: linears={linears!r}: {no_fp8}")
     if _ddp(model) is not None:  # DDP all-reduces the gradients while backward ends: a step inside it would come first
         if step_in_backward not in (AUTO, False):
             raise ValueError("lpoptim.prepare: step_in_backward=True on a DistributedDataParallel model: each rank "

@@ -368,7 +368,7 @@ def adam_bound_inv(n: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
 #   v: linear without zero (Li et al. 2023), c·j/16 for j in 1..16, the nibble j - 1: a non-zero v never decodes
 #      to 0 beside a live m; +-inf and NaN take j = 16
 # Encoding multiplies |x| by top/c (one correctly rounded division per group) and rounds to nearest even onto the
-# integers, or stochastically (floor(f + u), u uniform from a hash: state4_noise). Decoding multiplies the integer
+# integers, or stochastically (floor(f + u), u uniform from a hash: stochastic_round.uniform_noise). Decoding multiplies the integer
 # by 1/top and then by c (m: q · fp32(1/7), exact at q = ±7, so the absmax decodes to itself; v: j · c/16).
 # m and v encoded together (quantize_state4_moments, what lpoptim.AdamW does) also keep each group's ratio bound:
 # v's code is raised until no element's decoded m^2 / v exceeds the largest m^2 / v the group's exact moments had

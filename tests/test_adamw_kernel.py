@@ -251,7 +251,7 @@ def test_a_step_the_kernel_cannot_read_is_refused(bad):
         kernel.fused_adamw_step([(p, torch.randn_like(p), state, layout)], **hyper)
 
 
-# ---- GPUs without FP8 conversions (compute capability < 8.9: A100, V100, RTX 30xx) ---------------------------------
+# ---- GPUs without FP8 conversions (compute capability 8.0-8.6: A100, A10, RTX 30xx) ---------------------------------
 # Triton refuses its fp8e4nv type there, so the kernel converts codes by integer arithmetic instead (HW_FP8=False,
 # grid.hardware_fp8). Both paths must write and read the same bits.
 
@@ -263,11 +263,15 @@ def _integer_roundtrip(codes_ptr, values_ptr, recoded_ptr, IS_E4M3: tl.constexpr
     tl.store(recoded_ptr + offs, fp8_bits(v, IS_E4M3, False))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_integer_fp8_conversions_match_torch_on_every_code(fmt):
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    values, recoded = torch.empty(256), torch.empty(256, dtype=torch.uint8)
+def test_integer_fp8_conversions_match_torch_on_every_code(fmt, device):
+    """Under the interpreter on the CPU, compiled on a GPU."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(device)
+    values = torch.empty(256, device=device)
+    recoded = torch.empty(256, dtype=torch.uint8, device=device)
     _integer_roundtrip[(1,)](codes, values, recoded, IS_E4M3=fmt == torch.float8_e4m3fn)
+    codes, values, recoded = codes.cpu(), values.cpu(), recoded.cpu()
     want = codes.view(fmt).float()
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(values), nan)
@@ -297,7 +301,7 @@ def test_kernel_without_fp8_conversions_writes_the_same_bits(monkeypatch, v_form
     for a, b in zip(s_hw, s_int):
         assert a.keys() == b.keys()
         for k in a:
-            assert torch.equal(a[k].view(torch.uint8) if a[k].dtype == torch.uint8 else a[k], b[k]), k
+            assert torch.equal(a[k], b[k]), k
 
 
 _COMPILE_FOR_SM80 = """
@@ -316,8 +320,9 @@ pointers = {"ptrs": "*i64", "dims": "*i32", "blocks": "*i32", "salt_ptr": "*i32"
 sig = {n: "constexpr" if n in consts else pointers.get(n, "*fp32") if n in pointers or n.endswith("_ptr") else "fp32"
        for n in fn.arg_names}
 try:
-    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 80, 32),
-                              options=dict(num_warps=1))
+    for cap in (80, 86):
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                                  target=GPUTarget("cuda", cap, 32), options=dict(num_warps=1))
 except RuntimeError as e:
     if "ptxas" in str(e).lower():
         print("no-toolchain", e)
@@ -328,7 +333,7 @@ print("compiled", "f8E" in compiled.asm["ttgir"])  # an FP8 type (f8E4M3FN, f8E5
 
 
 def test_kernel_compiles_for_gpus_without_fp8_conversions():
-    """Compiled (not run) for an A100 (sm_80), as a launch there asks: Triton's compiler needs no GPU, but it
+    """Compiled (not run) for an A100 (sm_80) and an RTX 30xx (sm_86), as a launch there asks: Triton's compiler needs no GPU, but it
     does need to be out of the interpreter, hence a process of its own."""
     import os
     import subprocess
@@ -344,16 +349,29 @@ def test_kernel_compiles_for_gpus_without_fp8_conversions():
 
 
 @pytest.mark.gpu
-def test_kernel_without_fp8_conversions_writes_the_same_bits_gpu(monkeypatch):
-    layout = StateLayout(quantized=True)
+@pytest.mark.parametrize("v_format", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_kernel_without_fp8_conversions_writes_the_same_bits_gpu(monkeypatch, v_format, amsgrad):
+    layout = StateLayout(quantized=True, exp_avg_sq_format=v_format)
     runs = []
     for hardware in (True, False):
         monkeypatch.setattr(kernel, "hardware_fp8", lambda device, hardware=hardware: hardware)
         params, _rp, states, _rs = kernel_and_reference("cuda", torch.bfloat16, layout, SHAPES, steps=3,
-                                                        sr_salts=list(range(len(SHAPES))))
+                                                        amsgrad=amsgrad, sr_salts=list(range(len(SHAPES))))
         runs.append((params, states))
     for a, b in zip(runs[0][0], runs[1][0]):
         assert torch.equal(a, b)
     for a, b in zip(runs[0][1], runs[1][1]):
         for k in a:
             assert torch.equal(a[k], b[k]), k
+
+
+def test_four_bit_launch_settings_by_dtype_and_rounding():
+    """Each 4-bit case takes its own tuned settings; FP8 states take the common ones."""
+    four, eight = StateLayout(quantized=True, state_bits=4), StateLayout(quantized=True)
+    t = kernel.TUNING
+    assert kernel._tuning(four, torch.float32)["loop"] == t["state4_fp32"]["loop"]
+    for dtype in (torch.bfloat16, torch.float16):
+        assert {k: kernel._tuning(four, dtype, False)[k] for k in t["state4_half"]} == dict(t["state4_half"])
+        assert {k: kernel._tuning(four, dtype, True)[k] for k in t["state4_half_sr"]} == dict(t["state4_half_sr"])
+    assert kernel._tuning(eight, torch.bfloat16, True) is t

@@ -1,4 +1,4 @@
-"""GPUs without FP8 conversions (compute capability below 8.9: A100, A10, V100, RTX 30xx): lpoptim.AdamW runs there
+"""GPUs without FP8 conversions (compute capability 8.0-8.6: A100, A10, RTX 30xx): lpoptim.AdamW runs there
 (its kernel converts codes by integer arithmetic, tests/test_adamw_kernel.py); FP8 activations and low-bit linear
 layers are refused with a clear error before anything changes. No such GPU is needed: the capability is patched."""
 from types import SimpleNamespace
@@ -59,6 +59,56 @@ def test_compress_activations_refuses_before_any_change(monkeypatch):
     with pytest.raises(ValueError, match="compress_activations: FP8 activations need FP8"):
         lpoptim.compress_activations(blocks)
     assert not any(wrap.is_wrapped(b) for b in blocks) and [b.forward for b in blocks] == forwards
+
+
+def test_convert_linears_refuses_only_what_it_would_convert(monkeypatch):
+    import lpoptim.nn.convert as convert
+
+    seen = []
+    monkeypatch.setattr(convert, "fp8_device_problem", lambda tensors, what: seen.extend(tensors) or None)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 30), torch.nn.Embedding(4, 32))
+    lpoptim.convert_linears(model, "fp8_tensor", filter_fn=lambda m, fqn: fqn == "0")
+    assert len(seen) == 1 and seen[0] is model[0].weight  # the one layer converted, not the others
+
+
+def test_e5m2_activations_are_not_refused(monkeypatch):
+    """E5M2 codes are written by torch ops, which older GPUs run: only E4M3 (lpoptim's kernels) is refused."""
+    import lpoptim.activations.wrap as wrap
+
+    _refusing(monkeypatch, wrap)
+    blocks = torch.nn.ModuleList([torch.nn.Linear(32, 32)])
+    handle = lpoptim.compress_activations(blocks, fmt="e5m2")
+    handle.remove()
+
+
+def test_a_kernel_compiled_for_a_gpu_without_fp8_says_so(monkeypatch):
+    """A layer moved to such a GPU after the checks: Triton's compile error becomes lpoptim's plain one."""
+    from lpoptim.kernels import launch
+
+    class Kernel:  # what Triton raises there: a compile error caused by the dtype's ValueError
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                try:
+                    raise ValueError("type fp8e4nv not supported in this architecture. The supported fp8 dtypes "
+                                     "are ('fp8e4b15', 'fp8e5')")
+                except ValueError as e:
+                    raise RuntimeError("at 12:4: compilation failed") from e
+            return run
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(dev, "capability", lambda index: (8, 0))
+    with pytest.raises(RuntimeError, match="lpoptim: FP8 activations and low-bit linear layers need a GPU with FP8 "
+                                           "conversions.*cuda:0 has 8.0"):
+        launch._ordinary(Kernel(), (1,), (), 4, {})
+
+    class Other(Kernel):
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                raise RuntimeError("something else")
+            return run
+
+    with pytest.raises(RuntimeError, match="^something else$"):
+        launch._ordinary(Other(), (1,), (), 4, {})
 
 
 class _Stack(torch.nn.Module):

@@ -327,7 +327,8 @@ _STATE_KEYS4 = ("exp_avg_codes4", "exp_avg_scale", "exp_avg_sq_codes4", "exp_avg
 # 6.0-6.5). Groups per tile, warps per program, tiles per program. Read-only: tests swap in their own.
 # 4-bit states on fp32 parameters take their own, the best of a 27-setting sweep on an H100 made before the ratio
 # bound (torch 2.11, triton 3.6; the sweep's script and output were not kept); with the bound, 5.95 ms back to
-# back for 1.24 B parameters, at the copy floor (`benchmarks/optim_step.py`, docs/results/optim_step_4bit_h100.json).
+# back for 1.24 B parameters, within 2% of the copy floor (`benchmarks/optim_step.py`,
+# docs/results/optim_step_4bit_h100.json).
 # With bf16 (fp16) parameters, their own with and without stochastic rounding: the best of a 36-setting sweep of
 # the rounding's (block_groups 1-8, warps 1-4, loop 4-16; the five best then timed without it) on an H100 (torch
 # 2.11, triton 3.6; lab script not kept): with rounding 4.43 ms for 1.24 B parameters, (2, 1, 8) 4.59; without,

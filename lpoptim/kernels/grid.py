@@ -86,7 +86,7 @@ def interpreted() -> bool:
 
 def hardware_fp8(device) -> bool:
     """Whether Triton compiles FP8 conversions (E4M3) for kernels on ``device`` (lpoptim/device.py): GPUs of
-    compute capability 8.9 or more, and the interpreter. Elsewhere (A100, V100, RTX 30xx) the optimizer's kernel
+    compute capability 8.9 or more, and the interpreter. Elsewhere (A100, A10, RTX 30xx) the optimizer's kernel
     converts by integer arithmetic instead (HW_FP8=False)."""
     return interpreted() or has_fp8_conversions(device)
 

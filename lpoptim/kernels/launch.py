@@ -71,7 +71,7 @@ class _Launcher:
         ``local``: a bound launcher's own cache by (device, spec), which spares hashing ``const_key``."""
         spec = _spec(args) if self.fast and not interpreted() and len(args) == self.n_runtime else None
         if spec is None or _triton_path_needed(self.kernel):
-            return self.kernel[grid](*args, num_warps=num_warps, **constexprs)
+            return _ordinary(self.kernel, grid, args, num_warps, constexprs)
         device = torch._C._cuda_getDevice()  # torch.cuda.current_device() without its Python checks
         hit = local.get((device, spec)) if local is not None else None
         if hit is None:
@@ -90,7 +90,7 @@ class _Launcher:
         return _Bound(self, num_warps, constexprs)
 
     def _first(self, key, grid, args, num_warps, constexprs):
-        ck = self.kernel[grid](*args, num_warps=num_warps, **constexprs)
+        ck = _ordinary(self.kernel, grid, args, num_warps, constexprs)
         if ck is not None and getattr(ck, "function", None) is not None:
             consts = tuple(constexprs.get(n, self.defaults[n]) for n in self.const_names)
             self.cache[key] = (ck, consts)
@@ -107,6 +107,23 @@ class _Bound:
 
     def __call__(self, grid, *args):
         return self.launcher._launch(grid, args, self.num_warps, self.constexprs, self.const_key, self.cache)
+
+
+def _ordinary(kernel, grid, args, num_warps: int, constexprs: dict):
+    """Triton's own launch (which compiles on first use). A kernel with FP8 types compiled for a GPU without FP8
+    conversions (a layer moved there after lpoptim's checks) fails with Triton's terse error: said plainly here."""
+    try:
+        return kernel[grid](*args, num_warps=num_warps, **constexprs)
+    except Exception as e:
+        cause = e
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        if "fp8e4nv not supported in this architecture" not in str(cause):
+            raise
+        from ..device import no_fp8_message
+
+        device = torch.device("cuda", torch.cuda.current_device())
+        raise RuntimeError(f"lpoptim: {no_fp8_message(device, 'FP8 activations and low-bit linear layers')}") from e
 
 
 def _run(hit, grid, device: int, args):

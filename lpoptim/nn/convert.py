@@ -95,14 +95,14 @@ def convert_linears(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *,
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_linears takes an nn.Module, got {type(model).__name__}")
     recipe = get_recipe(recipe, **recipe_overrides)  # TypeError / ValueError before anything is touched
-    problem = fp8_device_problem(model.parameters(), "low-bit linear layers")
-    if problem:
-        raise ValueError(f"convert_linears: {problem}")
     cls = module_class(recipe)
     try:  # every layer checked before any changes
         todo, odd, held = conversion_targets(model, filter_fn, skip, skip_tied)
     except ValueError as e:
         raise ValueError(f"convert_linears: {e}") from None
+    problem = fp8_device_problem((model.get_submodule(fqn).weight for fqn in todo), "low-bit linear layers")
+    if problem:
+        raise ValueError(f"convert_linears: {problem}")
     if odd:
         warnings.warn("kept in high precision, feature dims not divisible by 16: " + ", ".join(odd), stacklevel=2)
     for fqn in todo:

@@ -75,8 +75,8 @@ def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, l
 
     ``sr_salt``: round a bf16 parameter stochastically (stochastic_round.py), with this salt in its key.
     ``state_salt``: 4-bit states (layout.state_bits == 4) round v stochastically with this salt in its key
-    (stochastic_round.uniform_noise: the top bits of the hash whose low bits round p; lpoptim.AdamW passes the
-    parameter's index, as for sr_salt). ``offset``: the
+    (stochastic_round.uniform_noise: the top bits of the hash whose low bits round p where sr_salt is the same;
+    lpoptim.AdamW passes the parameter's index for both). ``offset``: the
     index of ``param``'s first element in the whole tensor (an FSDP2 shard's), which both roundings' noise is
     drawn by.
 
