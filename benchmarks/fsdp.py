@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lpoptim  # noqa: E402
 from lpoptim.__main__ import positive_float, positive_int  # noqa: E402
 from lpoptim.bench import cap_cuda_memory  # noqa: E402
+from lpoptim.device import has_fp8_conversions  # noqa: E402
 from lpoptim.optim import distributed as lpdist  # noqa: E402
 from lpoptim.planner import ACTIVATIONS  # noqa: E402
 from lpoptim.stack import Stack, parse_stack  # noqa: E402
@@ -148,7 +149,7 @@ def run_one(opt_name: str, c: LlamaConfig, args, device, mesh, blocks_per_shard:
     base = stack.optimizer
     # prepare: FP8 linears (converted before sharding, where the GPU has FP8 tensor cores), then lpoptim.prepare
     # after fully_shard with its own choices (blocks compiled on CUDA, the step in backward)
-    fp8 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    fp8 = device.type == "cuda" and has_fp8_conversions(device)
     model = build(c, device, mesh, args.ac, stack.master, "fp8_delayed" if base == "prepare" and fp8 else None,
                   args.bf16_reduce, blocks_per_shard)
     if stack.compress:  # compiled: the wrapper calls each block's compiled forward

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from .device import has_fp8_conversions
 from .nn.recipes import DEFAULT_RECIPE
 from .stack import Stack, parse_stack
 from .train.llama import PRESETS, Llama, LlamaConfig
@@ -81,7 +82,7 @@ def unavailable(stack: Stack, device: str, compile_blocks: bool = False, hf: boo
             return f"torchao not importable ({type(e).__name__}: {e})"
         if device != "cuda":
             return "torchao float8 needs CUDA"
-        if torch.cuda.get_device_capability() < (8, 9):
+        if not has_fp8_conversions(torch.device("cuda")):
             return "torchao float8 needs compute capability >= 8.9"
     return None
 

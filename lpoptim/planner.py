@@ -70,7 +70,7 @@ import torch
 import torch.nn as nn
 
 from .activations import compress_activations
-from .device import fp8_device_problem, has_fp8_conversions
+from .device import fp8_device_problem
 from .memory import estimate_peak_bytes
 from .nn import LowBitLinear, convert_linears
 from .nn.convert import conversion_targets, is_fsdp_unit
@@ -348,10 +348,10 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
         raise ValueError("lpoptim.prepare: the model has no parameters that require gradients")
     device = params[0].device
     cuda = device.type == "cuda"
-    fp8_cores = cuda and has_fp8_conversions(device)
     # FP8 activations (recompute's FP8 block inputs too) and low-bit linears need FP8 conversions: refused before
     # any change on a GPU without them (lpoptim.AdamW's states do not need them)
-    no_fp8 = fp8_device_problem(params[:1], "FP8 activations and low-bit linear layers") if cuda else None
+    no_fp8 = fp8_device_problem(params[:1], "FP8 activations and low-bit linear layers")
+    fp8_cores = cuda and not no_fp8
     if no_fp8 and activations in ACTIVATIONS[1:]:
         raise ValueError(f"lpoptim.prepare: activations={activations!r}: {no_fp8}")
     reasons = {}

@@ -11,6 +11,19 @@ import triton
 import triton.language as tl
 
 from ..device import has_fp8_conversions
+from ..formats import E4M3, E5M2
+
+# the fp8 formats' fields, for the integer conversions (fp8_cast_bits, fp8_value without HW_FP8): mantissa bits and
+# their mask, where they sit in an fp32 (23 - bits), the exponent's mask and bias (1 - the smallest normal exponent),
+# the largest value, the smallest subnormal and its inverse (powers of two)
+def _fp8_fields(fmt):
+    return (tl.constexpr(fmt.man_bits), tl.constexpr((1 << fmt.man_bits) - 1), tl.constexpr(23 - fmt.man_bits),
+            tl.constexpr((1 << fmt.exp_bits) - 1), tl.constexpr(1 - fmt.min_normal_exp), tl.constexpr(fmt.max),
+            tl.constexpr(fmt.min_subnormal), tl.constexpr(1 / fmt.min_subnormal))
+
+
+E4M3_MAN, E4M3_MAN_MASK, E4M3_SHIFT, E4M3_EXP_MASK, E4M3_BIAS, E4M3_MAX, E4M3_SUB, E4M3_SUB_INV = _fp8_fields(E4M3)
+E5M2_MAN, E5M2_MAN_MASK, E5M2_SHIFT, E5M2_EXP_MASK, E5M2_BIAS, E5M2_MAX, E5M2_SUB, E5M2_SUB_INV = _fp8_fields(E5M2)
 
 RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: adding and subtracting it rounds |y| < 2**22 to an integer, ties to even
 
@@ -110,16 +123,18 @@ def fp8_cast_bits(q, IS_E4M3: tl.constexpr, HW_FP8: tl.constexpr = True):
         else:
             return q.to(tl.float8e5).to(tl.uint8, bitcast=True)
     else:
-        MAN: tl.constexpr = 3 if IS_E4M3 else 2
-        BIAS: tl.constexpr = 7 if IS_E4M3 else 15
-        FMAX: tl.constexpr = 448.0 if IS_E4M3 else 57344.0
-        SUB: tl.constexpr = 512.0 if IS_E4M3 else 65536.0  # 1 / the subnormal spacing, 2^(BIAS - 1 + MAN)
+        MAN: tl.constexpr = E4M3_MAN if IS_E4M3 else E5M2_MAN
+        MAN_MASK: tl.constexpr = E4M3_MAN_MASK if IS_E4M3 else E5M2_MAN_MASK
+        SHIFT: tl.constexpr = E4M3_SHIFT if IS_E4M3 else E5M2_SHIFT
+        BIAS: tl.constexpr = E4M3_BIAS if IS_E4M3 else E5M2_BIAS
+        FMAX: tl.constexpr = E4M3_MAX if IS_E4M3 else E5M2_MAX
+        SUB_INV: tl.constexpr = E4M3_SUB_INV if IS_E4M3 else E5M2_SUB_INV
         bits = q.to(tl.int32, bitcast=True)
         a = tl.minimum(tl.abs(q), FMAX)
         mag = a.to(tl.int32, bitcast=True)
         e = ((mag >> 23) & 0xFF) - 127 + BIAS  # the biased fp8 exponent; <= 0 below the smallest normal
-        normal = (e << MAN) | ((mag >> (23 - MAN)) & ((1 << MAN) - 1))
-        subnormal = (a * SUB).to(tl.int32)  # exact: a grid value below the smallest normal is a multiple of 1/SUB
+        normal = (e << MAN) | ((mag >> SHIFT) & MAN_MASK)
+        subnormal = (a * SUB_INV).to(tl.int32)  # exact: below the smallest normal, grid values are multiples of SUB
         return (tl.where(e > 0, normal, subnormal) | ((bits >> 24) & 0x80)).to(tl.uint8)
 
 
@@ -145,19 +160,22 @@ def fp8_value(b, IS_E4M3: tl.constexpr, ON_GPU: tl.constexpr, HW_FP8: tl.constex
     there they are decoded by hand; the GPU's cast gets them right. Without HW_FP8 (GPUs without FP8
     conversions, hardware_fp8) the bits are decoded by integer arithmetic."""
     if not HW_FP8:
-        MAN: tl.constexpr = 3 if IS_E4M3 else 2
-        BIAS: tl.constexpr = 7 if IS_E4M3 else 15
-        SPACING: tl.constexpr = 0.001953125 if IS_E4M3 else 1.52587890625e-05  # subnormals: 2^-9, 2^-16
+        MAN: tl.constexpr = E4M3_MAN if IS_E4M3 else E5M2_MAN
+        MAN_MASK: tl.constexpr = E4M3_MAN_MASK if IS_E4M3 else E5M2_MAN_MASK
+        SHIFT: tl.constexpr = E4M3_SHIFT if IS_E4M3 else E5M2_SHIFT
+        EXP_MASK: tl.constexpr = E4M3_EXP_MASK if IS_E4M3 else E5M2_EXP_MASK
+        BIAS: tl.constexpr = E4M3_BIAS if IS_E4M3 else E5M2_BIAS
+        SUB: tl.constexpr = E4M3_SUB if IS_E4M3 else E5M2_SUB
         i = b.to(tl.int32) & 0xFF
-        e = (i >> MAN) & (0x7F >> MAN)
-        m = i & ((1 << MAN) - 1)
-        normal = (((e + 127 - BIAS) << 23) | (m << (23 - MAN))).to(tl.float32, bitcast=True)
-        v = tl.where(e == 0, m.to(tl.float32) * SPACING, normal)
+        e = (i >> MAN) & EXP_MASK
+        m = i & MAN_MASK
+        normal = (((e + 127 - BIAS) << 23) | (m << SHIFT)).to(tl.float32, bitcast=True)
+        v = tl.where(e == 0, m.to(tl.float32) * SUB, normal)
         v = (v.to(tl.int32, bitcast=True) | ((i & 0x80) << 24)).to(tl.float32, bitcast=True)
         if IS_E4M3:
             v = tl.where((i & 0x7F) == 0x7F, float("nan"), v)
         else:  # exponent all ones: inf (mantissa 0) or NaN
-            v = tl.where(e == 31, tl.where(m == 0, with_sign_of(float("inf") + tl.zeros_like(v), v), float("nan")), v)
+            v = tl.where(e == EXP_MASK, tl.where(m == 0, with_sign_of(float("inf") + tl.zeros_like(v), v), float("nan")), v)
     elif IS_E4M3:
         v = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         if not ON_GPU:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..device import no_fp8_message
 from .grid import interpreted
 
 
@@ -120,8 +121,6 @@ def _ordinary(kernel, grid, args, num_warps: int, constexprs: dict):
             cause = cause.__cause__
         if "fp8e4nv not supported in this architecture" not in str(cause):
             raise
-        from ..device import no_fp8_message
-
         device = torch.device("cuda", torch.cuda.current_device())
         raise RuntimeError(f"lpoptim: {no_fp8_message(device, 'FP8 activations and low-bit linear layers')}") from e
 
