@@ -60,6 +60,8 @@ def unavailable(stack: Stack, device: str, compile_blocks: bool = False, hf: boo
         return "+ckpt is the HF model's own gradient checkpointing: it needs --hf-config"
     if stack.optimizer == "prepare" and not hf:
         return "prepare is lpoptim.prepare on a Hugging Face model: it needs --hf-config"
+    if stack.offload and not (hf and device == "cuda"):
+        return "+offNN moves a GPU's saved activations to host memory through lpoptim.prepare: it needs --hf-config and CUDA"
     if stack.activation_budget is not None and not compile_blocks:
         return "+sacNN is a budget for Inductor's partitioner: it needs --compile"
     if stack.cuda_graphs and not (compile_blocks and device == "cuda"):
@@ -225,6 +227,8 @@ def build_hf(stack: Stack, hf_config, device: str, compile_blocks: bool, tokens:
         if stack.optimizer == "prepare":
             options = dict(budget, tokens=tokens) if budget else {}
             options["cuda_graphs"] = stack.cuda_graphs
+            if stack.offload:
+                options["offload"] = stack.offload
         else:
             options = dict(linears=stack.linears, compile=compile_blocks, step_in_backward=stack.in_backward,
                            chunked_loss=stack.chunked_loss,
@@ -232,7 +236,7 @@ def build_hf(stack: Stack, hf_config, device: str, compile_blocks: bool, tokens:
                            ("fp8_attention" if stack.attention else "fp8") if stack.compress else
                            # +sac100 keeps every activation: Inductor's default, no budget for prepare (in (0, 1))
                            stack.activation_budget if stack.activation_budget != 1 else None,
-                           cuda_graphs=stack.cuda_graphs)
+                           cuda_graphs=stack.cuda_graphs, offload=stack.offload or False)
         opt = prepare(model, lr, betas=betas, weight_decay=0.1, state_bits=stack.state_bits, **options)
         chosen = opt.plan
         info["plan"] = chosen.summary()

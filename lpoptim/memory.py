@@ -9,11 +9,12 @@ activations are a model: per token and block, a multiple of the bytes of the inp
 with FP8 activations eager, x 0.5 with FP8 activations and FP8 linears eager; compiled, x 0.62 with FP8
 activations, x 0.75 with FP8 linears, x 0.55 with both; attention's q, k, v and output packed too (FP8 per row:
 half their bf16 bytes) save half of those; with recompute, one FP8 block input per block and one
-block's activations while it is replayed. The LM head and loss: about 10 bytes per logit (the logits, their fp32
+block's activations while it is replayed; with k of n blocks offloaded to host memory, (n - k + 1) / n of them
+(one block fetched back ahead). The LM head and loss: about 10 bytes per logit (the logits, their fp32
 copy and softmax's gradient), or with the chunked loss the hidden states' gradient, the head's weight gradient and
 the smaller of the logits' gradient and an fp32 sum of the weight's. Then 1.2% for the allocator. On HF Llama
-shapes of 7B, 13B and 26B (1 x 2048 and 4 x 2048, eighteen stacks, eager and compiled, FP8 and 4-bit states:
-docs/results/hf_*.json) the estimate lay 0.26-0.89 GiB above the measured peak, never below it; on other shapes,
+shapes of 7B, 13B and 26B (1 x 2048 and 4 x 2048, nineteen stacks, eager and compiled, FP8 and 4-bit states:
+docs/results/hf_*.json) the estimate lay 0.26-0.92 GiB above the measured peak, never below it; on other shapes,
 treat it as an estimate: ``lpoptim bench --hf-config`` measures the real peak.
 """
 from __future__ import annotations
@@ -93,6 +94,8 @@ def estimate_peak_bytes(model: nn.Module, blocks: nn.ModuleList, plan, tokens: i
         activations = tokens * len(blocks) * per_block_token * factor
         if plan.activations == "fp8_attention":  # FP8 per row: half of attention's bf16 bytes
             activations -= tokens * len(blocks) * attention_saved_features(model, width) * elem / 2
+        if plan.offload_blocks:  # those blocks' share in host memory, but one block's (fetched back ahead)
+            activations *= (len(blocks) - plan.offload_blocks + 1) / len(blocks)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_bytes = 0
     if isinstance(head, nn.Linear):

@@ -31,6 +31,7 @@ PARTS = {
     "cg": "with --compile on CUDA: compiled blocks replayed as CUDA graphs",
     "ckpt": "with --hf-config: the model's own (HF) gradient checkpointing",
     "s4": "lpoptim's moments in 4 bits (state_bits=4; lpoptim and prepare only)",
+    "offNN": "with --hf-config on CUDA: the first NN blocks' saved activations in host memory (offload=NN)",
     "<linear recipe>": ", ".join(RECIPES) + f" (convert_linears; default {DEFAULT_RECIPE})",
 }
 
@@ -55,6 +56,7 @@ class Stack:
     cuda_graphs: bool = False
     hf_checkpointing: bool = False  # HF models: gradient_checkpointing_enable()
     state_bits: int = 8  # lpoptim.AdamW's state_bits
+    offload: int = 0  # blocks whose saved activations go to host memory (prepare's offload=)
 
     @property
     def name(self) -> str:
@@ -68,6 +70,7 @@ class Stack:
         parts += ["bwd"] if self.in_backward else []
         parts += ["ce"] if self.chunked_loss else []
         parts += [f"sac{round(self.activation_budget * 100)}"] if self.activation_budget is not None else []
+        parts += [f"off{self.offload}"] if self.offload else []
         parts += ["cg"] if self.cuda_graphs else []
         parts += ["ckpt"] if self.hf_checkpointing else []
         return "+".join(parts)
@@ -89,6 +92,8 @@ class Stack:
             words.append("chunked head+loss")
         if self.activation_budget is not None:
             words.append(f"Inductor keeps {round(self.activation_budget * 100)}% of activations")
+        if self.offload:
+            words.append(f"{self.offload} blocks' activations offloaded")
         if self.cuda_graphs:
             words.append("CUDA graphs")
         if self.hf_checkpointing:
@@ -107,7 +112,7 @@ def parse_stack(name: str) -> Stack:
     """The Stack a name spells; ValueError (naming the valid parts) for anything else."""
     def bad(why: str) -> ValueError:
         return ValueError(f"recipe {name!r}: {why}; a recipe is an optimizer ({', '.join(OPTIMIZERS)}) followed by "
-                          f"+parts: bf16, s4, act, attn, rec, bwd, ce, sacNN, cg, ckpt, or a linear recipe ({', '.join(RECIPES)})")
+                          f"+parts: bf16, s4, act, attn, rec, bwd, ce, sacNN, offNN, cg, ckpt, or a linear recipe ({', '.join(RECIPES)})")
 
     if not isinstance(name, str):
         raise TypeError(f"a recipe name is a string, got {type(name).__name__}")
@@ -144,6 +149,11 @@ def parse_stack(name: str) -> Stack:
             if not (pct.isascii() and pct.isdigit() and 0 < int(pct) <= 100):
                 raise bad(f"{p!r}: sacNN takes NN in 1..100")
             kw["activation_budget"] = int(pct) / 100
+        elif p.startswith("off"):
+            count = p[3:]
+            if not (count.isascii() and count.isdigit() and int(count) > 0):
+                raise bad(f"{p!r}: offNN takes a number of blocks NN >= 1")
+            kw["offload"] = int(count)
         elif p in RECIPES or p in ALIASES:
             if kw["linears"]:
                 raise bad("one linear recipe at most (torchao brings its own)")
@@ -152,8 +162,12 @@ def parse_stack(name: str) -> Stack:
             raise bad(f"unknown part {p!r}")
     if kw.get("in_backward") and optimizer != "lpoptim":
         raise bad("bwd (step_in_backward) needs the lpoptim optimizer")
-    if optimizer == "prepare" and set(parts) - {"bf16", "s4", "cg"}:
-        raise bad("prepare makes its own choices: it takes +bf16, +s4 and +cg only")
+    if optimizer == "prepare" and {p for p in parts if not p.startswith("off")} - {"bf16", "s4", "cg"}:
+        raise bad("prepare makes its own choices: it takes +bf16, +s4, +offNN and +cg only")
+    if kw.get("offload") and optimizer not in ("lpoptim", "prepare"):
+        raise bad("offNN (offloaded activations) goes through lpoptim.prepare: lpoptim or prepare only")
+    if kw.get("offload") and (kw.get("compress") or kw.get("hf_checkpointing") or kw.get("cuda_graphs")):
+        raise bad("offNN excludes act, rec, ckpt and cg (they keep or pack the same activations)")
     if kw.get("state_bits") == 4 and optimizer not in ("lpoptim", "prepare"):
         raise bad("s4 (4-bit states) needs the lpoptim optimizer")
     if kw.get("attention") and (not kw.get("compress") or kw.get("recompute")):

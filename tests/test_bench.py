@@ -97,6 +97,27 @@ def test_sac_suffix_takes_ascii_digits_only():
     assert "70%" in parse_stack("torch+sac070").label
 
 
+def test_off_part_offloads_through_prepare():
+    """+offNN: prepare's offload=NN (lpoptim and prepare stacks), its spelling and label; refused with parts that
+    pack or keep the same activations and for other optimizers; skipped, with its reason, off CUDA or without
+    --hf-config."""
+    import pytest
+
+    from lpoptim import bench
+
+    stack = parse_stack("lpoptim+bf16+fp8_delayed+bwd+ce+off12")
+    assert stack.offload == 12 and stack.name == "lpoptim+bf16+fp8_delayed+bwd+ce+off12"
+    assert "12 blocks' activations offloaded" in stack.label
+    assert parse_stack("prepare+bf16+s4+off8").offload == 8 and parse_stack("prepare").offload == 0
+    for bad in ("lpoptim+off0", "lpoptim+offx", "lpoptim+off\u00b2", "torch+off4", "lpoptim+act+off4",
+                "lpoptim+ckpt+off4", "prepare+cg+off4"):
+        with pytest.raises(ValueError):
+            parse_stack(bad)
+    assert "--hf-config and CUDA" in bench.unavailable(stack, "cpu", hf=True)
+    assert "--hf-config and CUDA" in bench.unavailable(stack, "cuda", hf=False)
+    assert bench.unavailable(stack, "cuda", hf=True) is None
+
+
 def test_cg_part_replays_compiled_blocks_as_cuda_graphs():
     import pytest
 

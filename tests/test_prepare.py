@@ -9,6 +9,7 @@ import math
 import os
 import re
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -481,6 +482,9 @@ BAD_OPTIONS = [
     (dict(cuda_graphs="yes"), ValueError, "cuda_graphs is True or False"),
     (dict(cuda_graphs=True), ValueError, "cuda_graphs=True needs the model on CUDA"),
     (dict(step_in_backward="sometimes"), ValueError, "step_in_backward"),
+    (dict(offload=2, activations=None), ValueError, "offload=2: not here \\(not on CUDA\\)"),
+    (dict(offload="all"), ValueError, "offload is 'auto', False or a number of blocks in 1..4"),
+    (dict(offload=5), ValueError, "in 1..4, got 5"),
     (dict(max_memory_gib=-1, tokens=1024), ValueError, "positive"),
     (dict(max_memory_gib=0, tokens=1024), ValueError, "positive"),
     (dict(max_memory_gib=8), ValueError, "tokens="),
@@ -578,6 +582,71 @@ def test_budget_picks_by_the_estimates(monkeypatch):
     assert opt.plan.activations == "fp8" and opt.plan.handles
 
 
+def test_offload_choices():
+    """Which offloaded block counts a plan may take: none off CUDA, under CUDA graphs, FSDP2, HF checkpointing or
+    packing activations (a reason given; refused where asked for); on CUDA 1 .. MAX_OFFLOAD_FRACTION of the
+    blocks for a budget."""
+    from lpoptim.planner import MAX_OFFLOAD_FRACTION, _offload_choices
+
+    params = [nn.Parameter(torch.zeros(2))]
+    reasons = {}
+    assert _offload_choices("auto", 10, False, False, "auto", params, False, reasons) == [0]
+    assert reasons["offload"] == "not on CUDA"
+    most = int(MAX_OFFLOAD_FRACTION * 10)
+    assert 1 <= most < 10
+    assert _offload_choices("auto", 10, True, False, "auto", params, False, {}) == [0, *range(1, most + 1)]
+    assert _offload_choices(4, 10, True, False, "auto", params, False, {}) == [4]
+    assert _offload_choices(False, 10, True, False, "auto", params, False, {}) == [0]
+    for args, why in [((True, True, None, False), "CUDA graphs"), ((True, False, "fp8", False), "packs the saved"),
+                      ((True, False, "recompute", False), "packs the saved"),
+                      ((True, False, None, True), "HF gradient checkpointing")]:
+        cuda, graphs, acts, ckpt = args
+        reasons = {}
+        assert _offload_choices("auto", 10, cuda, graphs, acts, params, ckpt, reasons) == [0]
+        assert why in reasons["offload"]
+        with pytest.raises(ValueError, match=f"offload=3: not here.*{why}"):
+            _offload_choices(3, 10, cuda, graphs, acts, params, ckpt, {})
+
+
+def test_budget_offloads_the_fewest_blocks_that_fit(monkeypatch):
+    """With offloading possible (the CUDA answer, stubbed: plan only decides): the fewest offloaded blocks whose
+    estimate fits, on the rung after FP8 activations (attention's too) and before recompute; an explicit count is
+    on every rung."""
+    import lpoptim.planner as planner
+
+    model = _tiny_llama(num_hidden_layers=10)
+    tokens = 1 << 20
+    real = planner._offload_choices
+    monkeypatch.setattr(planner, "_offload_choices", lambda offload, n, *a: real(offload, n, True, *a[1:]))
+    most = int(planner.MAX_OFFLOAD_FRACTION * 10)
+    e_none = next(iter(plan(model, max_memory_gib=1e9, tokens=tokens, compile=False).estimate_gib.values()))
+    by_k = [next(iter(plan(model, max_memory_gib=1e9, tokens=tokens, compile=False, offload=k).estimate_gib.values()))
+            for k in range(1, most + 1)]
+    # one block's share stays in the estimate (fetched back ahead): each block offloaded past the first saves
+    assert math.isclose(by_k[0], e_none) and all(a > b for a, b in zip(by_k, by_k[1:])), by_k
+    budget = (by_k[2] + by_k[3]) / 2  # between 3 and 4 blocks
+    chosen = plan(model, max_memory_gib=budget, tokens=tokens, compile=False, activations=None)
+    assert (chosen.activations, chosen.offload_blocks) == (None, 4), chosen.estimate_gib
+    assert list(chosen.estimate_gib) == ["unchanged linears, activations unchanged",
+                                         "unchanged linears, activations unchanged, 4 blocks' offloaded"]
+    assert "the first 4 blocks" in chosen.summary() and chosen.options()["offload"] == 4
+    # the whole ladder: as saved, FP8, attention's too, offloaded (the most, where none fits), recompute
+    ladder = plan(model, max_memory_gib=1e-9 + min(by_k[-1], 1e9), tokens=tokens, compile=False)
+    names = list(ladder.estimate_gib)
+    assert [n.split(", ", 1)[1] for n in names] == [
+        "activations unchanged", "FP8 activations", "FP8 activations, attention's too",
+        f"activations unchanged, {most} blocks' offloaded", "FP8 block inputs + recompute"], names
+    e_att, e_off = ladder.estimate_gib[names[2]], ladder.estimate_gib[names[3]]
+    if e_off < e_att:  # the budget between them takes the offload rung
+        got = plan(model, max_memory_gib=(e_off + e_att) / 2, tokens=tokens, compile=False)
+        assert got.activations is None and got.offload_blocks > 0
+    # an explicit count: only the rungs that take it (as saved; Inductor's budgets where compiled)
+    only = plan(model, max_memory_gib=1e9, tokens=tokens, compile=False, offload=2)
+    assert list(only.estimate_gib) == ["unchanged linears, activations unchanged, 2 blocks' offloaded"]
+    with pytest.raises(ValueError, match="nothing fits"):
+        plan(model, max_memory_gib=by_k[1] * 0.999, tokens=tokens, compile=False, offload=2)
+
+
 def _summary_options(summary: str) -> dict:
     """plan()'s options back from a Plan.summary() (what a bench file records of what prepare applied)."""
     from types import SimpleNamespace
@@ -623,7 +692,9 @@ def test_estimates_stay_above_the_measured_peaks():
         model.config.use_cache = False
         tokens = data["batch"] * data["seq"]
         for r in rows:  # files written before bench recorded plan_options carry the summary alone
-            p = plan(model, **(r.get("plan_options") or _summary_options(r["plan"])))
+            options = dict(r.get("plan_options") or _summary_options(r["plan"]))
+            offload = options.pop("offload", 0)  # (a CUDA part: plan refuses it here, on the CPU)
+            p = replace(plan(model, **options), offload_blocks=offload or 0)
             est = estimate_peak_bytes(model, model.get_submodule(p.blocks), p, tokens)
             where = (os.path.basename(path), r["recipe"], est / 2**30, r["peak_bytes"] / 2**30)
             assert r["peak_bytes"] <= est <= r["peak_bytes"] + 2**30, where

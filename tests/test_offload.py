@@ -1,0 +1,208 @@
+"""Saved activations moved to host memory (lpoptim/activations/offload.py): the same gradients, the bookkeeping
+(what moves, when it comes back, a second backward, removal), the refusals; on a GPU the same gradients bit for
+bit and the peak lowered."""
+import pytest
+import torch
+import torch.nn as nn
+
+from lpoptim.activations import compress_activations
+from lpoptim.activations.offload import OffloadHandle, offload_activations
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(layers=4, device="cpu", dtype=torch.float32):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    return transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
+
+
+def _grads(model, x):
+    model.zero_grad()
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("n_blocks", [1, 2, 4])
+def test_gradients_unchanged_on_cpu(n_blocks):
+    """The CPU bookkeeping path (plain copies): the same loss and gradients, bit for bit, with 1, 2 or all 4 blocks
+    offloaded; tensors of the offloaded blocks moved, nothing else; the hooks gone after remove()."""
+    model = _llama()
+    x = torch.randint(0, 128, (2, 16))
+    want_loss, want = _grads(model, x)
+    handle = OffloadHandle(model.model.layers, n_blocks, min_bytes=0)
+    loss, got = _grads(model, x)
+    assert handle.offloaded_bytes > 0
+    assert torch.equal(loss, want_loss)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    moved = handle.offloaded_bytes
+    handle.remove()
+    assert not any("_lpoptim_offload" in b.__dict__ for b in model.model.layers)
+    _grads(model, x)
+    assert handle.offloaded_bytes == moved  # no hook ran after remove()
+
+
+def test_moves_only_large_activations_not_parameters():
+    """Parameters (a linear layer's saved weight) stay; tensors below min_bytes stay; the blocks past n_blocks keep
+    theirs; what moved is counted."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(3))
+    x = torch.randn(8, 32, requires_grad=True)
+    handle = OffloadHandle(blocks, 2, min_bytes=0)
+    packed = []
+    pack = handle._pack
+    handle._pack = lambda block, t: packed.append((block, tuple(t.shape), pack(block, t))) or packed[-1][2]
+    y = x
+    for b in blocks:
+        y = b(y)
+    y.sum().backward()
+    offloaded = [(block, shape) for block, shape, out in packed if not isinstance(out, torch.Tensor)]
+    kept = [(block, shape) for block, shape, out in packed if isinstance(out, torch.Tensor)]
+    assert len({id(block) for block, _ in offloaded}) == 2  # the first two blocks'
+    assert all(shape != (32, 32) for _, shape in offloaded)  # no weight moved
+    assert any(block is None for block, _ in kept)  # the third block's tensors stay
+    assert handle.offloaded_bytes == sum(torch.Size(s).numel() * 4 for _, s in offloaded)
+    big = OffloadHandle(nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(3)), 3,
+                        min_bytes=10**9)
+    z = torch.randn(8, 32, requires_grad=True)
+    for b in big.blocks:
+        z = b(z)
+    z.sum().backward()
+    assert big.offloaded_bytes == 0
+
+
+def test_dense_tensors_only():
+    """Dense tensors (any order of their strides) move, copied with their strides; others (an expanded view, a
+    slice with gaps) stay where they are."""
+    from lpoptim.activations.offload import _dense
+
+    assert _dense(torch.randn(3, 5)) and _dense(torch.randn(4, 6).t()) and _dense(torch.randn(2, 1, 7))
+    assert _dense(torch.randn(2, 3, 4).permute(2, 0, 1)) and _dense(torch.tensor(1.0))
+    assert not _dense(torch.randn(3, 1).expand(3, 4)) and not _dense(torch.randn(4, 6)[:, :3])
+    t = torch.randn(4, 6).t()
+    assert torch.empty_like(t, device="cpu").stride() == t.stride()  # what the host copy keeps
+
+
+def test_fetch_ahead_is_memory_neutral():
+    """With n blocks and k offloaded, block i's backward begins with the offloaded blocks from k-1 down to
+    i - (n - k) + 1 fetched (one per block whose backward is done); every offloaded block is fetched before its own
+    backward, once, in one copy."""
+    torch.manual_seed(0)
+    n, k = 6, 3
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(n))
+    handle = OffloadHandle(blocks, k, min_bytes=0)
+    fetched, begun = [], []
+    fetch = handle._fetch
+
+    def spy(block):
+        fetched.append(handle._forward.index(block))
+        begun.append(min(handle._begun))
+        fetch(block)
+
+    handle._fetch = spy
+    x = torch.randn(4, 16, requires_grad=True)
+    y = x
+    for b in blocks:
+        y = b(y)
+    y.sum().backward()
+    assert fetched == [2, 1, 0]  # last first, each once
+    # block 2 fetched when block 4's backward began (n - k - 1 = 2 blocks ahead), block 0 when block 2's did
+    assert begun == [4, 3, 2]
+
+
+def test_second_backward_reads_the_same_copies():
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+    x = torch.randn(4, 16, requires_grad=True)
+    y = x
+    for b in blocks:
+        y = b(y)
+    y.sum().backward(retain_graph=True)
+    want = x.grad.clone()
+    x.grad = None
+    with OffloadHandle(blocks, 2, min_bytes=0):
+        y = x
+        for b in blocks:
+            y = b(y)
+        y.sum().backward(retain_graph=True)
+        first = x.grad.clone()
+        x.grad = None
+        y.sum().backward()
+    assert torch.equal(first, want) and torch.equal(x.grad, want)
+    assert not any("_lpoptim_offload" in b.__dict__ for b in blocks)  # the context removed it
+
+
+def test_no_grad_forward_saves_nothing():
+    blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+    handle = OffloadHandle(blocks, 2, min_bytes=0)
+    with torch.no_grad():
+        blocks[1](blocks[0](torch.randn(4, 16)))
+    assert handle.offloaded_bytes == 0
+
+
+def test_refusals():
+    blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+    with pytest.raises(ValueError, match="GPU to host memory"):
+        offload_activations(blocks, 1)  # CPU parameters
+    for bad in (0, 4, True, 1.5, "2"):
+        with pytest.raises(ValueError, match="n_blocks is an int in 1..3"):
+            OffloadHandle(blocks, bad)
+    with pytest.raises(ValueError, match="min_bytes"):
+        OffloadHandle(blocks, 1, min_bytes=-1)
+    with pytest.raises(ValueError, match="no parameters"):
+        OffloadHandle(nn.ModuleList([nn.GELU()]), 1)
+    handle = OffloadHandle(blocks, 1)
+    with pytest.raises(ValueError, match="offloaded already"):
+        OffloadHandle(blocks, 1)
+    handle.remove()
+    compressed = compress_activations(blocks)
+    with pytest.raises(ValueError, match="compress_activations"):
+        OffloadHandle(blocks, 1)
+    compressed.remove()
+    with pytest.raises(TypeError):
+        OffloadHandle(42, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gpu_same_gradients_lower_peak(compiled):
+    """On a GPU, eager and compiled blocks: the same loss and gradients bit for bit (HF's eager attention: no
+    atomics), through pinned memory and the two copy streams; after the forward, less held (compiled: about what
+    moved; eager, where a saved tensor may also be a block's output or input, less)."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                   num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+                                   attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16)
+    if compiled:
+        for b in model.model.layers:
+            b.compile()
+    x = torch.randint(0, 128, (4, 512), device="cuda")
+    want_loss, want = _grads(model, x)
+
+    def held_after_forward():
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        loss = model(input_ids=x, labels=x).loss
+        torch.cuda.synchronize()
+        torch.empty(1, device="cuda")  # an allocation: the allocator frees what waited for the copy stream
+        held = torch.cuda.memory_allocated() - before
+        loss.backward()
+        return held
+
+    plain = held_after_forward()
+    handle = offload_activations(model.model.layers, 4, min_bytes=0)
+    loss, got = _grads(model, x)
+    assert torch.equal(loss, want_loss)
+    for (name, _), a, b in zip(model.named_parameters(), want, got):
+        assert torch.equal(a, b), name
+    moved = handle.offloaded_bytes
+    held = held_after_forward()
+    assert moved > 0 and held < plain - (0.8 if compiled else 0.1) * moved, (plain, held, moved)
+    handle.remove()
+    assert torch.equal(_grads(model, x)[0], want_loss)
