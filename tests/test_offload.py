@@ -113,20 +113,21 @@ def test_fetch_ahead_is_memory_neutral():
     assert begun == [4, 3, 2]
 
 
+def _through(blocks, x):
+    for b in blocks:
+        x = b(x)
+    return x
+
+
 def test_second_backward_reads_the_same_copies():
     torch.manual_seed(0)
     blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
     x = torch.randn(4, 16, requires_grad=True)
-    y = x
-    for b in blocks:
-        y = b(y)
-    y.sum().backward(retain_graph=True)
+    _through(blocks, x).sum().backward(retain_graph=True)
     want = x.grad.clone()
     x.grad = None
     with OffloadHandle(blocks, 2, min_bytes=0):
-        y = x
-        for b in blocks:
-            y = b(y)
+        y = _through(blocks, x)
         y.sum().backward(retain_graph=True)
         first = x.grad.clone()
         x.grad = None

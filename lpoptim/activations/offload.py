@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from ..instance_forward import had_own_forward, install_forward, remove_forward
-from .wrap import _as_blocks, is_wrapped
+from .wrap import RemoveOnExit, _as_blocks, is_wrapped
 
 _ATTR = "_lpoptim_offload"
 
@@ -63,7 +63,7 @@ class _Saved:
         self.block, self.tensor, self.host, self.device_copy = block, t, None, None
 
 
-class OffloadHandle:
+class OffloadHandle(RemoveOnExit):
     """What ``offload_activations`` returns: the offloaded blocks, the bytes their last forward moved, ``remove()``."""
 
     def __init__(self, blocks: nn.Module | Iterable[nn.Module], n_blocks: int, min_bytes: int = 2**20):
@@ -202,13 +202,6 @@ class OffloadHandle:
             if not remove_forward(b, _ATTR) and isinstance(b._compiled_call_impl, _OffloadedCall):
                 b._compiled_call_impl = b._compiled_call_impl.original
         self.blocks = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.remove()
-        return False
 
 
 def _dense(t: torch.Tensor) -> bool:

@@ -53,7 +53,18 @@ def _as_blocks(blocks) -> list[nn.Module]:
     raise TypeError(f"compress_activations expects a module or a list of modules, got {type(blocks).__name__}")
 
 
-class ActivationHandle:
+class RemoveOnExit:
+    """A handle that is also a context: ``with handle: ...`` calls its ``remove()`` on the way out."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+        return False
+
+
+class ActivationHandle(RemoveOnExit):
     """What ``compress_activations`` returns: the wrapped blocks, their policy, statistics, and ``remove()``."""
 
     def __init__(self, blocks: list[nn.Module], policy: ActivationPolicy):
@@ -88,13 +99,6 @@ class ActivationHandle:
         for b in self.blocks:
             _unwrap(b)
         self.blocks = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.remove()
-        return False
 
 
 def compress_activations(blocks: nn.Module | Iterable[nn.Module], policy: ActivationPolicy | None = None,
