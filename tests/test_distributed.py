@@ -707,7 +707,9 @@ def test_dcp_2_ranks_to_1_process_continues(run):
     # the resumed process reduces gradients in another order: ulps, or one FP8 boundary apart (about 1e-6 of the
     # loss, see test_ddp_matches_single_process); a state lost or misplaced in the resume moves it by 1e-2
     assert run["resumed_2to1"] == pytest.approx(run["ranks"][0]["fsdp"][SAVE_AT:], rel=0, abs=1e-5)
-    assert run["resumed_2to1"] == pytest.approx(ref, rel=0, abs=1e-5)
+    # and the ranks' run is the single process's to test_ddp_matches_single_process's tolerance, whose boundary
+    # crossings grow over the steps after the save (3.3e-5, 6e-5 relative, by the 8th in one CPU environment)
+    assert run["resumed_2to1"] == pytest.approx(ref, rel=1e-4, abs=1e-5)
 
 
 def test_dcp_1_process_to_2_ranks_continues(run):
