@@ -299,7 +299,7 @@ def _sharded_parts(model: nn.Module, stack_name: str, params, linears, has_budge
 def _offload_choices(offload, n_blocks: int, cuda: bool, cuda_graphs: bool, activations, params,
                      hf_checkpointing: bool, reasons: dict) -> list[int]:
     """The offloaded block counts the plan may take, its first choice first: [k] where the caller chose, else [0]
-    and (where a budget may need them, and offloading can run) 1 .. MAX_OFFLOAD_FRACTION of the blocks."""
+    and (where a budget may need them, and offloading can run) 2 .. MAX_OFFLOAD_FRACTION of the blocks."""
     from .optim.distributed import is_dtensor
 
     why_not = ("not on CUDA" if not cuda else "CUDA graphs keep their own memory" if cuda_graphs else
@@ -311,7 +311,8 @@ def _offload_choices(offload, n_blocks: int, cuda: bool, cuda_graphs: bool, acti
         if why_not:
             reasons["offload"] = why_not
             return [0]
-        return [0, *range(1, int(MAX_OFFLOAD_FRACTION * n_blocks) + 1)]
+        # from 2: the estimate keeps one block's share back (fetched ahead), so one block alone would save nothing
+        return [0, *range(2, int(MAX_OFFLOAD_FRACTION * n_blocks) + 1)]
     if offload in (None, False, 0):
         return [0]
     if not (isinstance(offload, int) and not isinstance(offload, bool) and 1 <= offload <= n_blocks):
@@ -490,9 +491,10 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     # blocks that fit (estimated once a count, which is arithmetic)
     rungs = [(act, offload_choices[0]) for act in activation_choices]  # an explicit count: on every rung
     if len(offload_choices) > 1:  # auto
-        packing = [i for i, (act, _) in enumerate(rungs) if act in (None, *ACTIVATIONS[1:3])]
-        at = packing[-1] + 1 if packing else len(rungs)
-        rungs = rungs[:at] + [(None, k) for k in offload_choices[1:]] + rungs[at:]
+        packing = [i for i, (act, _) in enumerate(rungs) if act in (None, *ACTIVATIONS[1:3])] or [0]
+        at = packing[-1] + 1
+        kept = None if activations == AUTO else activation_choices[0]  # an explicit choice stays on every rung
+        rungs = rungs[:at] + [(kept, k) for k in offload_choices[1:]] + rungs[at:]
     candidates, estimates = [], {}
     most = max(k for _, k in rungs)
     for act, k in rungs:

@@ -54,7 +54,7 @@ def test_moves_only_large_activations_not_parameters():
     handle = OffloadHandle(blocks, 2, min_bytes=0)
     packed = []
     pack = handle._pack
-    handle._pack = lambda block, t: packed.append((block, tuple(t.shape), pack(block, t))) or packed[-1][2]
+    handle._pack = lambda block, params, t: packed.append((block, tuple(t.shape), pack(block, params, t))) or packed[-1][2]
     y = x
     for b in blocks:
         y = b(y)
@@ -98,8 +98,8 @@ def test_fetch_ahead_is_memory_neutral():
     fetch = handle._fetch
 
     def spy(block):
-        fetched.append(handle._forward.index(block))
-        begun.append(min(handle._begun))
+        fetched.append(handle._pass.blocks.index(block))
+        begun.append(min(handle._pass.begun))
         fetch(block)
 
     handle._fetch = spy
@@ -134,6 +134,106 @@ def test_second_backward_reads_the_same_copies():
         y.sum().backward()
     assert torch.equal(first, want) and torch.equal(x.grad, want)
     assert not any("_lpoptim_offload" in b.__dict__ for b in blocks)  # the context removed it
+
+
+def test_forwards_before_a_backward_keep_their_own_bookkeeping():
+    """Two forwards, then the first's backward: it fetches its own blocks ahead, not the second's; the second's
+    backward then fetches its own. Gradients as without offloading."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4))
+    xa, xb = torch.randn(4, 16, requires_grad=True), torch.randn(4, 16, requires_grad=True)
+    _through(blocks, xa).sum().backward()
+    _through(blocks, xb).sum().backward()
+    want = xa.grad.clone(), xb.grad.clone()
+    xa.grad = xb.grad = None
+    handle = OffloadHandle(blocks, 2, min_bytes=0)
+    fetched = []
+    fetch = handle._fetch
+    handle._fetch = lambda block: fetched.append(block) or fetch(block)
+    ya = _through(blocks, xa)
+    pass_a = handle._pass
+    yb = _through(blocks, xb)
+    pass_b = handle._pass
+    assert pass_a is not pass_b
+    ya.sum().backward()
+    assert fetched == [pass_a.blocks[1], pass_a.blocks[0]]
+    yb.sum().backward()
+    assert fetched[2:] == [pass_b.blocks[1], pass_b.blocks[0]]
+    assert torch.equal(xa.grad, want[0]) and torch.equal(xb.grad, want[1])
+
+
+def test_arguments_stay_and_in_place_changes_raise():
+    """A block's tensor arguments (its input, shared tensors such as rotary tables) outlive it: not moved. A saved
+    tensor changed in place after the block's forward raises at backward, as autograd does without offloading."""
+    torch.manual_seed(0)
+
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x, table):
+            self.last = self.lin(x)  # (kept: the test changes it in place)
+            return self.last * table  # saves table (an argument) and lin(x)
+
+    blocks = nn.ModuleList(Scale() for _ in range(2))
+    table = torch.randn(4, 16, requires_grad=True)  # (so that the product saves lin(x) too)
+    handle = OffloadHandle(blocks, 2, min_bytes=0)
+    packed = []
+    pack = handle._pack
+    handle._pack = lambda block, params, t: packed.append((t, pack(block, params, t))) or packed[-1][1]
+    x = torch.randn(4, 16, requires_grad=True)
+    y = blocks[1](blocks[0](x, table), table)
+    assert all(out is t for t, out in packed if t is table or t is x)  # arguments kept as they are
+    assert any(not isinstance(out, torch.Tensor) for _, out in packed)  # lin(x) moved
+    y.sum().backward()
+    handle._pack = pack
+    # changed in place after the forward: autograd would raise; so does the offloaded copy's unpack
+    x2 = torch.randn(4, 16, requires_grad=True)
+    h = blocks[0].lin(x2)
+    out = blocks[1](h, table)  # blocks[1] saves h (an argument: kept) and its own lin output
+    moved = [s for s in (r() for r in handle._pass.blocks[1].saved) if s is not None]
+    assert len(moved) == 1 and moved[0].source() is blocks[1].last
+    with torch.no_grad():
+        blocks[1].last.add_(1.0)  # its lin output, changed in place
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_recompute_inside_backward_is_left_alone():
+    """A block checkpointed inside (torch.utils.checkpoint runs it again in backward): the recompute neither moves
+    tensors nor starts a new forward's bookkeeping; gradients as without offloading."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False) * 2.0
+
+    blocks = nn.ModuleList(Checkpointed() for _ in range(3))
+    x = torch.randn(4, 16, requires_grad=True)
+    _through(blocks, x).sum().backward()
+    want = x.grad.clone()
+    x.grad = None
+    handle = OffloadHandle(blocks, 3, min_bytes=0)
+    y = _through(blocks, x)
+    current = handle._pass
+    y.sum().backward()
+    assert handle._pass is current and torch.equal(x.grad, want)
+
+
+def test_compress_activations_refuses_offloaded_blocks():
+    blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+    handle = OffloadHandle(blocks, 1)
+    with pytest.raises(ValueError, match="offloaded"):
+        compress_activations(blocks)
+    handle.remove()
+    compress_activations(blocks).remove()
 
 
 def test_no_grad_forward_saves_nothing():

@@ -594,7 +594,7 @@ def test_offload_choices():
     assert reasons["offload"] == "not on CUDA"
     most = int(MAX_OFFLOAD_FRACTION * 10)
     assert 1 <= most < 10
-    assert _offload_choices("auto", 10, True, False, "auto", params, False, {}) == [0, *range(1, most + 1)]
+    assert _offload_choices("auto", 10, True, False, "auto", params, False, {}) == [0, *range(2, most + 1)]
     assert _offload_choices(4, 10, True, False, "auto", params, False, {}) == [4]
     assert _offload_choices(False, 10, True, False, "auto", params, False, {}) == [0]
     for args, why in [((True, True, None, False), "CUDA graphs"), ((True, False, "fp8", False), "packs the saved"),
@@ -640,6 +640,12 @@ def test_budget_offloads_the_fewest_blocks_that_fit(monkeypatch):
     if e_off < e_att:  # the budget between them takes the offload rung
         got = plan(model, max_memory_gib=(e_off + e_att) / 2, tokens=tokens, compile=False)
         assert got.activations is None and got.offload_blocks > 0
+    # an explicit activations choice stays on the offload rungs (here Inductor's budget, on compiled blocks)
+    budgeted = plan(model, max_memory_gib=1e9, tokens=tokens, compile=True, linears=None, activations=0.5)
+    e_half = next(iter(budgeted.estimate_gib.values()))
+    kept = plan(model, max_memory_gib=0.97 * e_half, tokens=tokens, compile=True, linears=None, activations=0.5)
+    assert kept.activations == 0.5 and kept.offload_blocks > 0, kept.estimate_gib
+    assert all("Inductor keeps 50%" in name for name in kept.estimate_gib)
     # an explicit count: only the rungs that take it (as saved; Inductor's budgets where compiled)
     only = plan(model, max_memory_gib=1e9, tokens=tokens, compile=False, offload=2)
     assert list(only.estimate_gib) == ["unchanged linears, activations unchanged, 2 blocks' offloaded"]

@@ -16,12 +16,18 @@ fetched, last first, down to block i - (n - k) + 1 (n blocks, k offloaded): one 
 finished and freed its own, so the fetches add no memory. They run on a second stream, into memory allocated on
 the compute stream, which waits for each block's by an event; a block not fetched in time is fetched when
 unpacked (correct, only slower). A fetched tensor lives as long as autograd keeps it (a second
-backward, ``retain_graph=True``, reads it again).
+backward, ``retain_graph=True``, reads it again). Each forward keeps its own bookkeeping: several forwards before
+their backwards (accumulating micro-batches) each fetch their own blocks.
 
 What moves: the tensors a block saves for backward (``saved_tensors_hooks`` around its forward, or around its
 compiled forward: then the compiled graph's saved tensors, as it returns them), on the blocks' device, dense, of at
-least ``min_bytes``, but not parameters (a linear layer's weight stays); a tensor saved by several ops moves once.
-Host memory holds the offloaded blocks' tensors, pinned (torch's caching host allocator reuses them).
+least ``min_bytes``, but not parameters (a linear layer's weight stays) nor the block's tensor arguments or views
+of them (its input, rotary tables shared by every block: they outlive it). The same view saved by several ops
+moves once; two views of one storage move as two tensors (copied, and fetched back, twice). Host memory holds the
+offloaded blocks' tensors, pinned (torch's caching host allocator reuses them). Autograd skips its check for
+tensors changed in place while hooks hold them; this one makes it, when the block's forward ends and at backward
+(where the tensor still lives to tell). A block run again inside backward (a checkpointed recompute) is left as
+it is.
 
 Not with ``compress_activations`` on the same blocks (its hooks take the saved tensors first), under CUDA graphs
 (their pool keeps the memory) or FSDP2 (its gathered weights are saved as activations): refused. On CPU tensors
@@ -43,24 +49,46 @@ from .wrap import RemoveOnExit, _as_blocks, is_wrapped
 _ATTR = "_lpoptim_offload"
 
 
+class _Pass:
+    """One forward's bookkeeping, read by its backward (forwards may follow each other before a backward runs):
+    its offloaded blocks, the blocks whose backward has begun, the next block to fetch ahead, the parameters'
+    storages (taken again each forward: parameters may be replaced)."""
+    __slots__ = ("blocks", "begun", "next_fetch", "params")
+
+    def __init__(self, n_blocks: int, params: set):
+        self.blocks: list[_Block | None] = [None] * n_blocks
+        self.begun: set[int] = set()
+        self.next_fetch = n_blocks - 1
+        self.params = params
+
+
 class _Block:
     """One offloaded block's saved tensors of one forward, the event after which their copies to host memory are
     done, and (fetched) the event after which their copies back are."""
-    __slots__ = ("saved", "by_tensor", "copied", "fetched")
+    __slots__ = ("saved", "by_tensor", "inputs", "copied", "fetched")
 
-    def __init__(self):
+    def __init__(self, inputs: set):
         self.copied = self.fetched = None
         self.saved = []  # weak references to its _Saved: autograd owns them
         self.by_tensor = {}  # during the forward: a tensor saved again (by several ops) is copied once
+        self.inputs = inputs  # the storages of the block's tensor arguments: they outlive it, so they stay
 
 
 class _Saved:
-    """One offloaded tensor: while the forward runs the tensor itself, then its pinned host copy; once fetched, its
-    copy on the device."""
-    __slots__ = ("block", "tensor", "host", "device_copy", "__weakref__")
+    """One offloaded tensor: while the block's forward runs the tensor itself, then its pinned host copy (and a
+    weak reference to the tensor, to see an in-place change); once fetched, its copy on the device."""
+    __slots__ = ("block", "tensor", "version", "host", "source", "device_copy", "__weakref__")
 
     def __init__(self, block: _Block, t: torch.Tensor):
-        self.block, self.tensor, self.host, self.device_copy = block, t, None, None
+        self.block, self.tensor, self.version = block, t, t._version
+        self.host = self.source = self.device_copy = None
+
+    def check_version(self, t: torch.Tensor | None) -> None:
+        """Autograd's own check, which its hooks skip: a saved tensor changed in place since it was saved."""
+        if t is not None and t._version != self.version:
+            raise RuntimeError("offload_activations: one of the tensors saved for gradient computation has been "
+                               f"modified by an inplace operation (version {self.version} when saved, now "
+                               f"{t._version}); without offloading, autograd raises the same")
 
 
 class OffloadHandle(RemoveOnExit):
@@ -85,19 +113,16 @@ class OffloadHandle(RemoveOnExit):
             if is_wrapped(b):
                 raise ValueError("offload_activations: a block is wrapped by compress_activations, whose hooks take "
                                  "its saved tensors first; use one or the other")
-            if _ATTR in b.__dict__ or isinstance(b._compiled_call_impl, _OffloadedCall):
+            if is_offloaded(b):
                 raise ValueError("offload_activations: a block is offloaded already")
         self.device = params[0].device
         self.n_blocks, self.min_bytes = n_blocks, min_bytes
         self.blocks, self._n_total = blocks, len(blocks)
         self.offloaded_bytes = 0  # what the last forward moved to host memory
-        self._params = {p.untyped_storage().data_ptr() for p in params}
         cuda = self.device.type == "cuda"
         self._to_host = torch.cuda.Stream(self.device) if cuda else None
         self._to_device = torch.cuda.Stream(self.device) if cuda else None
-        self._forward: list[_Block | None] = [None] * n_blocks  # this forward's, per offloaded block
-        self._begun: set[int] = set()  # blocks whose backward has begun
-        self._next_fetch = n_blocks - 1  # the next offloaded block to fetch ahead
+        self._pass: _Pass | None = None  # the latest forward's
         for i, b in enumerate(blocks):
             if b._compiled_call_impl is not None:  # block.compile(): around the compiled call
                 b._compiled_call_impl = _OffloadedCall(self, i, b._compiled_call_impl)
@@ -107,31 +132,40 @@ class OffloadHandle(RemoveOnExit):
     # ---- the hooks -----------------------------------------------------------------------------------------
 
     def _call(self, i: int, fn, args, kwargs):
-        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-            return fn(*args, **kwargs)  # nothing is saved
-        if i == 0:  # a new forward
-            self._forward = [None] * self.n_blocks
-            self._begun.clear()
-            self._next_fetch = self.n_blocks - 1
+        # nothing is saved without grad; inside backward a block runs again for a recompute (checkpointing), whose
+        # tensors are used at once: neither is offloaded, nor does it start a new forward's bookkeeping
+        if (not torch.is_grad_enabled() or torch.is_inference_mode_enabled()
+                or torch._C._current_graph_task_id() != -1):
+            return fn(*args, **kwargs)
+        if i == 0 or self._pass is None:  # a new forward
+            self._pass = _Pass(self.n_blocks, {p.untyped_storage().data_ptr() for b in self.blocks
+                                               for p in b.parameters()})
             self.offloaded_bytes = 0
-        block = _Block() if i < self.n_blocks else None
-        with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, block),
-                                                      functools.partial(self._unpack, i)):
+        p = self._pass
+        block = None
+        if i < self.n_blocks:
+            block = _Block({t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                            if isinstance(t, torch.Tensor) and t.layout == torch.strided})
+        with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, block, p.params),
+                                                      functools.partial(self._unpack, i, p)):
             out = fn(*args, **kwargs)
         if block is not None:
             if block.saved:
                 self._copy_out(block)
-                self._forward[i] = block
-            block.by_tensor = None
+                p.blocks[i] = block
+            block.by_tensor = block.inputs = None
         return out
 
-    def _pack(self, block: _Block | None, t: torch.Tensor):
-        if (block is None or t.device != self.device or t.numel() * t.element_size() < self.min_bytes
-                or t.untyped_storage().data_ptr() in self._params or not _dense(t)):
+    def _pack(self, block: _Block | None, params: set, t: torch.Tensor):
+        if (block is None or type(t) is not torch.Tensor or t.layout != torch.strided or t.device != self.device
+                or t.numel() * t.element_size() < self.min_bytes or not _dense(t)):
             return t
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+        storage = t.untyped_storage().data_ptr()
+        if storage in params or storage in block.inputs:  # weights, and what outlives the block anyway
+            return t
+        key = (storage, t.storage_offset(), t.shape, t.stride(), t.dtype, t.is_conj(), t.is_neg())
         s = block.by_tensor.get(key)
-        if s is None:  # copied when the block's forward ends, all in one buffer
+        if s is None:  # copied when the block's forward ends
             s = block.by_tensor[key] = _Saved(block, t)
             block.saved.append(weakref.ref(s))
         return s
@@ -145,26 +179,31 @@ class OffloadHandle(RemoveOnExit):
             self._to_host.wait_stream(torch.cuda.current_stream(self.device))  # after the ops that made them
         with torch.cuda.stream(self._to_host) if cuda else contextlib.nullcontext():
             for s in saved:
+                s.check_version(s.tensor)
                 s.host = torch.empty_like(s.tensor, device="cpu", pin_memory=cuda)  # the same strides (dense)
                 s.host.copy_(s.tensor, non_blocking=cuda)
                 if cuda:
                     s.tensor.record_stream(self._to_host)  # its memory is not reused before its copy is done
                 self.offloaded_bytes += s.tensor.numel() * s.tensor.element_size()
-                s.tensor = None
+                s.source, s.tensor = weakref.ref(s.tensor), None
             if cuda:
                 block.copied = self._to_host.record_event()
 
-    def _unpack(self, i: int, s):
-        if i not in self._begun:  # block i's backward begins: fetch ahead, one block per block done
-            self._begun.add(i)
+    def _unpack(self, i: int, p: _Pass, s):
+        if i not in p.begun:  # block i's backward begins: fetch ahead, one block per block done
+            p.begun.add(i)
             first = max(i - max(self._n_total - self.n_blocks - 1, 0), 0)
-            while self._next_fetch >= first:
-                block = self._forward[self._next_fetch]
+            while p.next_fetch >= first:
+                block = p.blocks[p.next_fetch]
                 if block is not None and block.fetched is None:
                     self._fetch(block)
-                self._next_fetch -= 1
+                p.next_fetch -= 1
         if not isinstance(s, _Saved):
             return s
+        if s.tensor is not None:  # unpacked before its block's forward ended (a gradient taken inside it)
+            s.check_version(s.tensor)
+            return s.tensor
+        s.check_version(s.source())  # changed in place since (while it lives to tell)
         if s.device_copy is None:  # not fetched ahead
             self._fetch(s.block)
         if self._to_device is not None:
@@ -214,6 +253,11 @@ def _dense(t: torch.Tensor) -> bool:
             return False
         expected *= sz
     return True
+
+
+def is_offloaded(block: nn.Module) -> bool:
+    """Whether ``block`` is offloaded by ``offload_activations``."""
+    return _ATTR in block.__dict__ or isinstance(block._compiled_call_impl, _OffloadedCall)
 
 
 class _OffloadedCall:

@@ -129,9 +129,14 @@ def compress_activations(blocks: nn.Module | Iterable[nn.Module], policy: Activa
                                                                 "FP8 activations")
     if problem:
         raise ValueError(f"compress_activations: {problem}")
+    from .offload import is_offloaded  # (offload.py imports this module)
+
     for b in mods:
         if is_wrapped(b):
             raise RuntimeError(f"{type(b).__name__} is already wrapped by compress_activations; remove() it first")
+        if is_offloaded(b):
+            raise ValueError(f"compress_activations: {type(b).__name__} is offloaded (offload_activations), whose "
+                             "hooks would take its saved tensors first; use one or the other")
     handle = ActivationHandle(mods, policy)
     for b in mods:
         _wrap(b, handle, compile)
