@@ -21,8 +21,8 @@ their backwards (accumulating micro-batches) each fetch their own blocks.
 
 What moves: the tensors a block saves for backward (``saved_tensors_hooks`` around its forward, or around its
 compiled forward: then the compiled graph's saved tensors, as it returns them), on the blocks' device, dense, of at
-least ``min_bytes``, but not parameters (a linear layer's weight stays) nor the block's tensor arguments or views
-of them (its input, rotary tables shared by every block: they outlive it). The same view saved by several ops
+least ``min_bytes``, but not parameters (a linear layer's weight stays) nor the block's tensor arguments that do
+not require grad, or views of them (rotary tables, masks: shared by the blocks, they outlive them). The same view saved by several ops
 moves once; two views of one storage move as two tensors (copied, and fetched back, twice). Host memory holds the
 offloaded blocks' tensors, pinned (torch's caching host allocator reuses them). Autograd skips its check for
 tensors changed in place while hooks hold them; this one makes it, when the block's forward ends and at backward
@@ -71,7 +71,7 @@ class _Block:
         self.copied = self.fetched = None
         self.saved = []  # weak references to its _Saved: autograd owns them
         self.by_tensor = {}  # during the forward: a tensor saved again (by several ops) is copied once
-        self.inputs = inputs  # the storages of the block's tensor arguments: they outlive it, so they stay
+        self.inputs = inputs  # the storages of its tensor arguments without grad: they outlive it, so they stay
 
 
 class _Saved:
@@ -144,8 +144,10 @@ class OffloadHandle(RemoveOnExit):
         p = self._pass
         block = None
         if i < self.n_blocks:
+            # arguments without grad (rotary tables, masks) are shared by the blocks and outlive them; an input that
+            # requires grad (the hidden states) is usually held by this block's saved tensors alone: it moves
             block = _Block({t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                            if isinstance(t, torch.Tensor) and t.layout == torch.strided})
+                            if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.requires_grad})
         with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, block, p.params),
                                                       functools.partial(self._unpack, i, p)):
             out = fn(*args, **kwargs)
