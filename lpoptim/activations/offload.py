@@ -8,8 +8,8 @@ while the forward goes on, and copied back ahead of those blocks' backward.
 The first blocks: their forward ends first, so their copies have the rest of the forward to finish, and their
 backward comes last, so the copies back have the rest of the backward. When a block's forward returns, what it
 saved is copied to pinned host tensors on a stream of its own (the compute stream never waits for it); each
-tensor's GPU memory is freed when its copy is done, so the step's peak, at the start of
-backward, drops by about what those blocks save, as long as PCIe keeps up (docs/prepare.md has the costs).
+tensor's GPU memory is freed when its copy is done, so the step's peak, at the start of backward, drops by about
+what those blocks save, as long as PCIe keeps up (docs/prepare.md has the costs).
 
 Copies back: when the backward of block i begins (its first saved tensor is unpacked), the offloaded blocks are
 fetched, last first, down to block i - (n - k) + 1 (n blocks, k offloaded): one for each block whose backward has
@@ -22,16 +22,17 @@ their backwards (accumulating micro-batches) each fetch their own blocks.
 What moves: the tensors a block saves for backward (``saved_tensors_hooks`` around its forward, or around its
 compiled forward: then the compiled graph's saved tensors, as it returns them), on the blocks' device, dense, of at
 least ``min_bytes``, but not parameters (a linear layer's weight stays) nor the block's tensor arguments that do
-not require grad, or views of them (rotary tables, masks: shared by the blocks, they outlive them). The same view saved by several ops
-moves once; two views of one storage move as two tensors (copied, and fetched back, twice). Host memory holds the
+not require grad, or views of them (rotary tables, masks: shared by the blocks, they outlive them). The same view
+saved by several ops moves once; two views of one storage move as two tensors (copied, and fetched back, twice). Host memory holds the
 offloaded blocks' tensors, pinned (torch's caching host allocator reuses them). Autograd skips its check for
 tensors changed in place while hooks hold them; this one makes it, when the block's forward ends and at backward
 (where the tensor still lives to tell). A block run again inside backward (a checkpointed recompute) is left as
 it is.
 
-Not with ``compress_activations`` on the same blocks (its hooks take the saved tensors first), under CUDA graphs
-(their pool keeps the memory) or FSDP2 (its gathered weights are saved as activations): refused. On CPU tensors
-(the tests) the same bookkeeping runs with plain copies; ``offload_activations`` itself asks for CUDA.
+Refused: ``compress_activations`` on the same blocks, in either order (its hooks would take the saved tensors
+first), and FSDP2 (its gathered weights are saved as activations). Under CUDA graphs it would save nothing (their
+pool keeps the memory): ``prepare`` refuses that pair. On CPU tensors (the tests) the same bookkeeping runs with
+plain copies; ``offload_activations`` itself asks for CUDA.
 """
 from __future__ import annotations
 
