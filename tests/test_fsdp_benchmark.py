@@ -30,14 +30,22 @@ def test_largest_shapes_have_their_published_sizes():
         assert abs(n / 1e9 - billions) < 0.01, (key, n)
 
 
-def test_unknown_model_and_bad_layers_are_refused_before_any_work():
+def test_unknown_model_and_bad_layers_are_refused_before_any_work(capsys):
+    """In this process (main(argv) exits with status 2, as the command line does): one interpreter, not seven."""
+    import pytest
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.fsdp import main
+
     for args, msg in ((["--models", "llama7b,nope"], "unknown models"), (["--layers", "0"], "--layers"),
                       (["--optimizers", "torch,lpoptim+fp8"], "unknown optimizer run"),
                       (["--optimizers", "torch+s4"], "4-bit states"), (["--small", "--memory-cap-gib", "79"], "CUDA"),
                       (["--blocks-per-shard", "2,0"], "--blocks-per-shard"),
                       (["--blocks-per-shard", "4,1,4"], "each size once")):
-        r = _fsdp_main(*args)
-        assert r.returncode == 2 and msg in r.stderr, r.stderr
+        with pytest.raises(SystemExit) as exit_:
+            main(args)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and msg in err, err
 
 
 def test_small_run_with_fewer_layers_on_two_cpu_ranks(tmp_path):
