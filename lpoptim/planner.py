@@ -89,9 +89,9 @@ from .optim import step_in_backward as fuse_step_into_backward
 AUTO = "auto"
 ACTIVATIONS = (None, "fp8", "fp8_attention", "recompute")
 AUTO_BUDGETS = (0.5, 0.3)  # the activation budgets the auto ladder tries on compiled blocks, fastest first
-# the most blocks the budget ladder offloads. On an H100 (its PCIe: ~54 GB/s each way), Llama-2-13B's shape at
-# 1 x 2048 tokens with max_memory_gib=54: 28 of 40 blocks, 6.2 GiB a step each way, 6,693 tokens/s against 7,200
-# without (another run; docs/prepare.md)
+# the most blocks the budget ladder offloads. On an H100, Llama-2-13B's shape at 1 x 2048 tokens with
+# max_memory_gib=54: 28 of 40 blocks, 6.2 GiB a step each way, 6,693 tokens/s
+# (docs/results/hf_llama2_13b_budget54_h100.json) against 7,200 without (hf_llama2_13b_h100.json, an older run)
 MAX_OFFLOAD_FRACTION = 0.7
 
 
@@ -487,8 +487,9 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
         return result
     # the candidates, fastest first: the budget takes the first that fits. Offloading comes after FP8 activations
     # with attention's (faster at 7B on an H100, 1.14x torch's against 1.03x with 13 of 32 blocks offloaded, same
-    # run) and before Inductor's budgets and recompute (at 13B it fits 54 GiB at 6.7 k tokens/s), with the fewest
-    # blocks that fit (estimated once a count, which is arithmetic)
+    # run: docs/results/hf_llama2_7b_s4_offload_h100.json) and before Inductor's budgets and recompute (at 13B it
+    # fits 54 GiB at 6.7 k tokens/s: hf_llama2_13b_budget54_h100.json), with the fewest blocks that fit (estimated
+    # once a count, which is arithmetic)
     rungs = [(act, offload_choices[0]) for act in activation_choices]  # an explicit count: on every rung
     if len(offload_choices) > 1:  # auto
         packing = [i for i, (act, _) in enumerate(rungs) if act in (None, *ACTIVATIONS[1:3])] or [0]

@@ -234,6 +234,17 @@ def test_compress_activations_refuses_offloaded_blocks():
     compress_activations(blocks).remove()
 
 
+def test_parameter_storages_follow_a_cast():
+    """The parameters' storages (never moved) are taken again when the model is cast or moved as a whole."""
+    blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+    handle = OffloadHandle(blocks, 2, min_bytes=0)
+    before = handle._param_storages()
+    assert before == {p.untyped_storage().data_ptr() for p in blocks.parameters()}
+    assert handle._param_storages() is before  # unchanged: not taken again
+    blocks.double()
+    assert handle._param_storages() == {p.untyped_storage().data_ptr() for p in blocks.parameters()} != before
+
+
 def test_no_grad_forward_saves_nothing():
     blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
     handle = OffloadHandle(blocks, 2, min_bytes=0)

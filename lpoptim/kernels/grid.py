@@ -112,6 +112,15 @@ def with_sign_of(mag, x):
 
 
 @triton.jit
+def _fp8_int_fields(IS_E4M3: tl.constexpr):
+    """E4M3's or E5M2's fields for the integer conversions, in _fp8_fields' order (one place for both)."""
+    if IS_E4M3:
+        return E4M3_MAN, E4M3_MAN_MASK, E4M3_SHIFT, E4M3_EXP_MASK, E4M3_BIAS, E4M3_MAX, E4M3_SUB, E4M3_SUB_INV
+    else:
+        return E5M2_MAN, E5M2_MAN_MASK, E5M2_SHIFT, E5M2_EXP_MASK, E5M2_BIAS, E5M2_MAX, E5M2_SUB, E5M2_SUB_INV
+
+
+@triton.jit
 def fp8_cast_bits(q, IS_E4M3: tl.constexpr, HW_FP8: tl.constexpr = True):
     """fp32 -> uint8 fp8 bit patterns. HW_FP8: by the hardware cast (exact for grid values; on the GPU it also
     rounds to nearest even and saturates, and NaN stays NaN). Else (GPUs without FP8 conversions, hardware_fp8)
@@ -123,12 +132,7 @@ def fp8_cast_bits(q, IS_E4M3: tl.constexpr, HW_FP8: tl.constexpr = True):
         else:
             return q.to(tl.float8e5).to(tl.uint8, bitcast=True)
     else:
-        MAN: tl.constexpr = E4M3_MAN if IS_E4M3 else E5M2_MAN
-        MAN_MASK: tl.constexpr = E4M3_MAN_MASK if IS_E4M3 else E5M2_MAN_MASK
-        SHIFT: tl.constexpr = E4M3_SHIFT if IS_E4M3 else E5M2_SHIFT
-        BIAS: tl.constexpr = E4M3_BIAS if IS_E4M3 else E5M2_BIAS
-        FMAX: tl.constexpr = E4M3_MAX if IS_E4M3 else E5M2_MAX
-        SUB_INV: tl.constexpr = E4M3_SUB_INV if IS_E4M3 else E5M2_SUB_INV
+        MAN, MAN_MASK, SHIFT, _EXP_MASK, BIAS, FMAX, _SUB, SUB_INV = _fp8_int_fields(IS_E4M3)
         bits = q.to(tl.int32, bitcast=True)
         a = tl.minimum(tl.abs(q), FMAX)
         mag = a.to(tl.int32, bitcast=True)
@@ -160,12 +164,7 @@ def fp8_value(b, IS_E4M3: tl.constexpr, ON_GPU: tl.constexpr, HW_FP8: tl.constex
     there they are decoded by hand; the GPU's cast gets them right. Without HW_FP8 (GPUs without FP8
     conversions, hardware_fp8) the bits are decoded by integer arithmetic."""
     if not HW_FP8:
-        MAN: tl.constexpr = E4M3_MAN if IS_E4M3 else E5M2_MAN
-        MAN_MASK: tl.constexpr = E4M3_MAN_MASK if IS_E4M3 else E5M2_MAN_MASK
-        SHIFT: tl.constexpr = E4M3_SHIFT if IS_E4M3 else E5M2_SHIFT
-        EXP_MASK: tl.constexpr = E4M3_EXP_MASK if IS_E4M3 else E5M2_EXP_MASK
-        BIAS: tl.constexpr = E4M3_BIAS if IS_E4M3 else E5M2_BIAS
-        SUB: tl.constexpr = E4M3_SUB if IS_E4M3 else E5M2_SUB
+        MAN, MAN_MASK, SHIFT, EXP_MASK, BIAS, _FMAX, SUB, _SUB_INV = _fp8_int_fields(IS_E4M3)
         i = b.to(tl.int32) & 0xFF
         e = (i >> MAN) & EXP_MASK
         m = i & MAN_MASK

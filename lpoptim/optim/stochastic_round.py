@@ -66,7 +66,8 @@ def round_bf16_stochastic(x: torch.Tensor, key: torch.Tensor, offset: int = 0) -
 # 4-bit states (state_bits=4) round v stochastically onto its grid: floor(f + u), u uniform in [0, 1) from the top
 # 16 bits of the hash whose low 16 round the parameter to bf16 in the same step (round_bf16_stochastic), so one hash
 # per element serves both: u has steps of 2^-16 (a bias below 2^-16 of v's grid step), and the two halves of
-# lowbias32's output are drawn as independently as two hashes would be.
+# lowbias32's output are uncorrelated and jointly uniform over their top bits (tests/test_stochastic_round.py,
+# 2^20 draws).
 
 
 def uniform_noise(shape, key: torch.Tensor, offset: int = 0) -> torch.Tensor:
