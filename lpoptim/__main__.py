@@ -253,6 +253,8 @@ def cmd_bench(ap: Parser, args, argv) -> int:
         ap.error(f"argument {budget_arg}: it is prepare's budget, for --hf-config")
     if args.budget_fraction is not None and device != "cuda":
         ap.error("argument --budget-fraction: it is a fraction of the GPU's memory: it needs CUDA")
+    if args.profile and device != "cuda":
+        ap.error("argument --profile: it times GPU kernels: it needs CUDA")
     hf_only = [r.name for r in args.recipes or [] if r.optimizer == "prepare" or r.hf_checkpointing]
     if hf_only and args.hf_config is None:
         ap.error(f"argument --recipes: {', '.join(hf_only)} run on a Hugging Face model: they need --hf-config")
@@ -282,7 +284,7 @@ def cmd_bench(ap: Parser, args, argv) -> int:
     report = bench.run(preset, names, batch, seq, args.steps, args.warmup, device,
                        compile_blocks=args.compile, log=lambda s: print(s, file=sys.stderr, flush=True),
                        n_layer=args.n_layer, memory_cap_gib=args.memory_cap_gib, hf_config=hf_config,
-                       budget=budget)
+                       budget=budget, profile=args.profile)
     report["command"] = shlex.join(["python", "-m", "lpoptim", *argv])
     paths = bench.write(report, out_dir)
     print("\n" + bench.table(report))
@@ -343,6 +345,9 @@ def parser() -> Parser:
     b.add_argument("--n-layer", type=positive_int, help="override the preset's number of layers")
     b.add_argument("--memory-cap-gib", type=positive_float,
                    help="allow the CUDA allocator this many GiB (e.g. 79.6 to stand in for an 80 GB H100 on a larger GPU)")
+    b.add_argument("--profile", action="store_true",
+                   help="on CUDA: one more step per recipe, profiled: its GPU time by kind of kernel (GEMMs, attention, "
+                        "FP8 casts, optimizer, ...) and the time no kernel ran, in the table, JSON and PNG")
     b.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available")
     b.add_argument("--out", default="results", help="folder for bench.json and bench.png (default: results)")
     return ap

@@ -33,6 +33,7 @@ from .nn.recipes import DEFAULT_RECIPE
 from .stack import Stack, parse_stack
 from .train.llama import PRESETS, Llama, LlamaConfig
 from .memory import estimate_peak_bytes
+from .step_profile import ALL_KINDS, profile_step
 from .train.loop import RunConfig, build_optimizer
 
 
@@ -309,14 +310,15 @@ def autocast_loss(model, x, y, device: str) -> torch.Tensor:
 
 
 def run_stack(stack: Stack, cfg, batch: int, seq: int, steps: int, warmup: int, device: str,
-              compile_blocks: bool, budget: dict | None = None) -> dict:
-    """One stack's figures; ``cfg`` is a LlamaConfig (lpoptim's own model) or a transformers config."""
+              compile_blocks: bool, budget: dict | None = None, profile: bool = False) -> dict:
+    """One stack's figures; ``cfg`` is a LlamaConfig (lpoptim's own model) or a transformers config; ``profile``:
+    one more step, profiled (step_profile.py), its GPU time by kind under ``time_breakdown``."""
     with stack_context(stack, compile_blocks, hf=is_hf(cfg)):
-        return _run_stack(stack, cfg, batch, seq, steps, warmup, device, compile_blocks, budget)
+        return _run_stack(stack, cfg, batch, seq, steps, warmup, device, compile_blocks, budget, profile)
 
 
 def _run_stack(stack: Stack, cfg, batch: int, seq: int, steps: int, warmup: int, device: str,
-               compile_blocks: bool, budget: dict | None = None) -> dict:
+               compile_blocks: bool, budget: dict | None = None, profile: bool = False) -> dict:
     cuda = device == "cuda"
     hf = is_hf(cfg)
     if hf:
@@ -376,10 +378,12 @@ def _run_stack(stack: Stack, cfg, batch: int, seq: int, steps: int, warmup: int,
     if cuda:
         torch.cuda.synchronize()
         times = [s.elapsed_time(e) / 1e3 for s, e in times]
+    seconds = statistics.median(times)
+    if profile:  # after the timed steps, so that the profiler's own cost is in none of them
+        info["time_breakdown"] = profile_step(lambda: step(False), seconds)
     mem["params"] = sum(p.numel() * p.element_size() for p in model.parameters())
     mem["states"] = optimizer_state_bytes(opt)
     n_params = sum(p.numel() for p in model.parameters())
-    seconds = statistics.median(times)
     if cuda:
         peak = torch.cuda.max_memory_reserved() if stack.cuda_graphs else torch.cuda.max_memory_allocated()
         mem["reserved"] = torch.cuda.max_memory_reserved()
@@ -428,13 +432,16 @@ def cap_cuda_memory(gib: float, device=None) -> None:
 
 def run(preset: str, recipes: list[str], batch: int, seq: int, steps: int, warmup: int, device: str,
         compile_blocks: bool = False, log=print, n_layer: int | None = None, memory_cap_gib: float | None = None,
-        hf_config=None, budget: dict | None = None) -> dict:
+        hf_config=None, budget: dict | None = None, profile: bool = False) -> dict:
     """Benchmark each recipe in turn; returns the dict written to bench.json.
 
     ``hf_config``: a transformers config (load_hf_config) to build instead of the preset (``preset`` then names
     it); ``n_layer`` overrides the depth; ``memory_cap_gib`` caps the CUDA allocator (an 80 GB GPU's budget on a
     larger one: torch.cuda.set_per_process_memory_fraction); ``budget``: the prepare recipe's budget, as prepare's
-    keyword (``{"max_memory_gib": 30}`` or ``{"max_memory_fraction": 0.9}``, a fraction of the capped memory)."""
+    keyword (``{"max_memory_gib": 30}`` or ``{"max_memory_fraction": 0.9}``, a fraction of the capped memory);
+    ``profile`` (CUDA): each recipe's GPU time by kind, from one more step (step_profile.py)."""
+    if profile and device != "cuda":
+        raise ValueError("profile: the breakdown is of GPU kernels' time: it needs CUDA")
     if hf_config is not None:
         cfg = hf_config
         if n_layer is not None:
@@ -462,7 +469,7 @@ def run(preset: str, recipes: list[str], batch: int, seq: int, steps: int, warmu
         base = torch.cuda.memory_allocated() if device == "cuda" else 0
         base_reserved = torch.cuda.memory_reserved() if device == "cuda" else 0
         try:
-            out = run_stack(stack, cfg, batch, seq, steps, warmup, device, compile_blocks, budget)
+            out = run_stack(stack, cfg, batch, seq, steps, warmup, device, compile_blocks, budget, profile)
             out["peak_bytes"] -= base_reserved if stack.cuda_graphs else base
             out["peak_reserved_bytes"] -= base_reserved
             row.update(out)
@@ -553,7 +560,23 @@ def table(report: dict) -> str:
         rel = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x tok/s, {r[key] / base[key]:.2f}x mem"
         lines.append(f"| {r['recipe']} | " + " | ".join(cells) +
                      f" | {r['state_bytes_per_param']:.2f} | {r['tokens_per_s']:,.0f} | {rel} |")
-    return "\n".join(lines)
+    return "\n".join(lines + breakdown_table(report["results"]))
+
+
+def breakdown_table(results: list[dict]) -> list[str]:
+    """--profile: one profiled step's GPU time by kind, ms (kinds that took no time in any recipe left out)."""
+    rows = [r for r in results if r.get("time_breakdown")]
+    if not rows:
+        return []
+    kinds = [k for k in ALL_KINDS if any(r["time_breakdown"]["kernel_seconds"][k] > 0 for r in rows)]
+    lines = ["", "GPU time of one profiled step by kind, ms (kinds by kernel name; kernels of several streams may "
+             "overlap; step: the timed median; idle: that less the time some kernel ran)", "",
+             "| recipe | step | " + " | ".join(kinds) + " | idle |", "|---|" + "---:|" * (len(kinds) + 2)]
+    for r in rows:
+        t = r["time_breakdown"]
+        cells = [t["step_seconds"], *(t["kernel_seconds"][k] for k in kinds), t["idle_seconds"]]
+        lines.append(f"| {r['recipe']} | " + " | ".join(f"{1e3 * c:.1f}" for c in cells) + " |")
+    return lines
 
 
 def plot(report: dict, path: Path) -> bool:
@@ -571,7 +594,11 @@ def plot(report: dict, path: Path) -> bool:
     unit, div = ("GiB", 2**30) if cuda else ("MiB", 2**20)
     names = [r["recipe"] for r in rows]
     y = list(range(len(rows)))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 1.5 + 0.4 * len(rows)), sharey=True)
+    profiled = any(r.get("time_breakdown") for r in rows)
+    # legends below the panels, not over the bars (a few recipes make a short figure)
+    fig, axes = plt.subplots(1, 3 if profiled else 2, figsize=(21 if profiled else 14, 2.6 + 0.4 * len(rows)),
+                             sharey=True)
+    ax1, ax2 = axes[:2]
     left = [0.0] * len(rows)
     for part in PARTS:
         vals = [(r[f"{part}_bytes"] or 0) / div for r in rows]  # None: not measured (+cg activations)
@@ -584,11 +611,22 @@ def plot(report: dict, path: Path) -> bool:
     ax1.invert_yaxis()  # the first recipe (the baseline) on top
     ax1.set_xlabel(unit)
     ax1.set_title("memory by component" + ("" if cuda else " (CPU: tensor bytes, estimate)"))
-    ax1.legend(fontsize=8, loc="lower right")
+    ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3)
     ax2.barh(y, [r["tokens_per_s"] for r in rows], color="tab:gray")
     ax2.set_xlabel("tokens/s")
     ax2.set_title(f"training throughput ({report['env']['gpu'] or 'CPU'})")
-    for ax in (ax1, ax2):
+    if profiled:  # --profile: a profiled step's GPU time by kind, idle last
+        ax3, left = axes[2], [0.0] * len(rows)
+        for kind in (*ALL_KINDS, "idle"):
+            vals = [1e3 * (t["idle_seconds"] if kind == "idle" else t["kernel_seconds"][kind]) if t else 0.0
+                    for t in (r.get("time_breakdown") for r in rows)]
+            if any(vals):
+                ax3.barh(y, vals, left=left, label=kind, color="lightgray" if kind == "idle" else None)
+                left = [a + v for a, v in zip(left, vals)]
+        ax3.set_xlabel("ms (kernels of several streams may overlap)")
+        ax3.set_title("GPU time of one step by kind")
+        ax3.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=4)
+    for ax in axes:
         ax.grid(axis="x", alpha=0.3)
     fig.suptitle(f"{report['preset']}, batch {report['batch']} x {report['seq']}, torch {report['env']['torch']}")
     fig.tight_layout()
