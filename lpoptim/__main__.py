@@ -2,7 +2,7 @@
 
     lpoptim train [--preset tiny|shakespeare|gpt2-113m] [--runs torch,lpoptim,...] [--steps N] [--text FILE] [--compile] [--out DIR]
     lpoptim bench [--preset tiny|tinyllama-1.1b|llama2-7b|...] [--batch B] [--seq S] [--recipes ...]
-                  [--steps N] [--compile] [--out DIR]
+                  [--steps N] [--compile] [--profile] [--out DIR]
 
 ``train`` trains the small GPT on the bundled tinyshakespeare (or --text FILE) once per run, same seed, data and
 schedule, prints final train/val loss and optimizer-state memory side by side, and writes train.json and
@@ -10,8 +10,8 @@ train_loss.png into --out. The preset defaults to tiny on the CPU (about a minut
 shakespeare-char recipe on a GPU.
 
 ``bench`` times one training step of a Llama-shaped model (random init) under each recipe, prints peak memory by
-component and tokens/s, and writes bench.json and bench.png into --out. The preset defaults to tiny on the CPU
-and tinyllama-1.1b on a GPU.
+component and tokens/s (with --profile, on CUDA, a step's GPU time by kind of kernel too), and writes bench.json
+and bench.png into --out. The preset defaults to tiny on the CPU and tinyllama-1.1b on a GPU.
 
 Runs and recipes share one vocabulary (``lpoptim bench --help`` lists it): an optimizer, then +parts.
 Every argument is checked before any work; a bad one is refused with one line and exit status 2.

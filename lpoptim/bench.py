@@ -380,7 +380,10 @@ def _run_stack(stack: Stack, cfg, batch: int, seq: int, steps: int, warmup: int,
         times = [s.elapsed_time(e) / 1e3 for s, e in times]
     seconds = statistics.median(times)
     if profile:  # after the timed steps, so that the profiler's own cost is in none of them
-        info["time_breakdown"] = profile_step(lambda: step(False), seconds)
+        try:
+            info["time_breakdown"] = profile_step(lambda: step(False), seconds)
+        except RuntimeError as e:  # the figures above stand without it
+            info["time_breakdown"] = {"error": str(e).splitlines()[0][:300]}
     mem["params"] = sum(p.numel() * p.element_size() for p in model.parameters())
     mem["states"] = optimizer_state_bytes(opt)
     n_params = sum(p.numel() for p in model.parameters())
@@ -563,17 +566,25 @@ def table(report: dict) -> str:
     return "\n".join(lines + breakdown_table(report["results"]))
 
 
+# --profile's kinds in fixed colours, apart from the memory panel's (params, grads, states, activations)
+KIND_COLORS = {"communication": "tab:cyan", "optimizer": "tab:purple", "attention": "tab:olive", "gemm": "tab:brown",
+               "fp8 casts": "tab:pink", "copies": "gold", "other": "tab:gray", "idle": "lightgray"}
+
+
 def breakdown_table(results: list[dict]) -> list[str]:
     """--profile: one profiled step's GPU time by kind, ms (kinds that took no time in any recipe left out)."""
     rows = [r for r in results if r.get("time_breakdown")]
     if not rows:
         return []
-    kinds = [k for k in ALL_KINDS if any(r["time_breakdown"]["kernel_seconds"][k] > 0 for r in rows)]
+    kinds = [k for k in ALL_KINDS if any(r["time_breakdown"].get("kernel_seconds", {}).get(k, 0) > 0 for r in rows)]
     lines = ["", "GPU time of one profiled step by kind, ms (kinds by kernel name; kernels of several streams may "
-             "overlap; step: the timed median; idle: that less the time some kernel ran)", "",
+             "overlap; step: the timed median; idle: that less the time some kernel or copy ran)", "",
              "| recipe | step | " + " | ".join(kinds) + " | idle |", "|---|" + "---:|" * (len(kinds) + 2)]
     for r in rows:
         t = r["time_breakdown"]
+        if "error" in t:
+            lines.append(f"| {r['recipe']} | not profiled: {t['error']} |" + " |" * (len(kinds) + 1))
+            continue
         cells = [t["step_seconds"], *(t["kernel_seconds"][k] for k in kinds), t["idle_seconds"]]
         lines.append(f"| {r['recipe']} | " + " | ".join(f"{1e3 * c:.1f}" for c in cells) + " |")
     return lines
@@ -586,6 +597,7 @@ def plot(report: dict, path: Path) -> bool:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import transforms
 
     rows = [r for r in report["results"] if "tokens_per_s" in r]
     if not rows:
@@ -594,10 +606,10 @@ def plot(report: dict, path: Path) -> bool:
     unit, div = ("GiB", 2**30) if cuda else ("MiB", 2**20)
     names = [r["recipe"] for r in rows]
     y = list(range(len(rows)))
-    profiled = any(r.get("time_breakdown") for r in rows)
-    # legends below the panels, not over the bars (a few recipes make a short figure)
-    fig, axes = plt.subplots(1, 3 if profiled else 2, figsize=(21 if profiled else 14, 2.6 + 0.4 * len(rows)),
-                             sharey=True)
+    breakdowns = [r.get("time_breakdown") or {} for r in rows]
+    profiled = any("kernel_seconds" in t for t in breakdowns)
+    height = 2.4 + 0.4 * len(rows)
+    fig, axes = plt.subplots(1, 3 if profiled else 2, figsize=(21 if profiled else 14, height), sharey=True)
     ax1, ax2 = axes[:2]
     left = [0.0] * len(rows)
     for part in PARTS:
@@ -611,25 +623,32 @@ def plot(report: dict, path: Path) -> bool:
     ax1.invert_yaxis()  # the first recipe (the baseline) on top
     ax1.set_xlabel(unit)
     ax1.set_title("memory by component" + ("" if cuda else " (CPU: tensor bytes, estimate)"))
-    ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3)
+    legends = [(ax1, 3)]
     ax2.barh(y, [r["tokens_per_s"] for r in rows], color="tab:gray")
     ax2.set_xlabel("tokens/s")
     ax2.set_title(f"training throughput ({report['env']['gpu'] or 'CPU'})")
-    if profiled:  # --profile: a profiled step's GPU time by kind, idle last
+    if profiled:  # --profile: a profiled step's GPU time by kind, idle last, each kind in its own colour
         ax3, left = axes[2], [0.0] * len(rows)
         for kind in (*ALL_KINDS, "idle"):
-            vals = [1e3 * (t["idle_seconds"] if kind == "idle" else t["kernel_seconds"][kind]) if t else 0.0
-                    for t in (r.get("time_breakdown") for r in rows)]
+            vals = [0.0 if "kernel_seconds" not in t else  # not profiled, or the profiler failed
+                    1e3 * (t["idle_seconds"] if kind == "idle" else t["kernel_seconds"][kind]) for t in breakdowns]
             if any(vals):
-                ax3.barh(y, vals, left=left, label=kind, color="lightgray" if kind == "idle" else None)
+                ax3.barh(y, vals, left=left, label=kind, color=KIND_COLORS[kind])
                 left = [a + v for a, v in zip(left, vals)]
         ax3.set_xlabel("ms (kernels of several streams may overlap)")
         ax3.set_title("GPU time of one step by kind")
-        ax3.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=4)
+        legends.append((ax3, 4))
     for ax in axes:
         ax.grid(axis="x", alpha=0.3)
     fig.suptitle(f"{report['preset']}, batch {report['batch']} x {report['seq']}, torch {report['env']['torch']}")
-    fig.tight_layout()
+    # the legends in a band of their own below the panels, whatever the number of recipes (over the bars, or
+    # under the axes' own height, they covered bars or labels)
+    band = 0.65 / height  # inches: two rows of legend
+    for ax, ncol in legends:
+        where = transforms.blended_transform_factory(ax.transAxes, fig.transFigure)
+        ax.legend(fontsize=8, loc="lower center", ncol=ncol, bbox_to_anchor=(0.5, 0.02),
+                  bbox_transform=where).set_in_layout(False)
+    fig.tight_layout(rect=(0, band, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
