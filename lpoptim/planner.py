@@ -11,8 +11,9 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
 
 - the optimizer: lpoptim.AdamW over the parameters that require gradients (keyword arguments pass through);
   bf16 parameters are updated with stochastic rounding (no fp32 master copy, no lost updates).
-- ``blocks``: the stack of repeated blocks (an ``nn.ModuleList``, or the name of one, e.g. "model.layers");
-  found automatically as the largest ModuleList of one module class (HF transformers decoders and encoders).
+- ``blocks``: the stack of repeated blocks (an ``nn.ModuleList`` or ``nn.Sequential``, or the name of one, e.g.
+  "model.layers"; "" for a model that is itself a Sequential of blocks); found automatically as the largest
+  ModuleList of one module class (HF transformers decoders and encoders).
 - ``linears``: the blocks' nn.Linear layers run their GEMMs in FP8 (a ``convert_linears`` recipe). Auto: the
   default recipe where the blocks are compiled on a GPU with FP8 tensor cores (compute capability >= 8.9), none
   elsewhere: eager FP8 linears spend more host time quantizing than their GEMMs save. On a GPU without FP8
@@ -69,6 +70,7 @@ the wrapping parts (activations, chunked loss, in-backward stepping; converted l
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -83,8 +85,9 @@ from .nn.convert import conversion_targets, is_fsdp_unit
 from .nn.causal_lm_loss import chunk_causal_lm_loss, restore_causal_lm_loss, why_not
 from .nn.recipes import DEFAULT_RECIPE, RECIPES
 from .optim import AdamW
-from .optim.adamw import _is_real
+from .optim.adamw import LPOPTIM_DEFAULTS, _is_real
 from .optim import step_in_backward as fuse_step_into_backward
+from .optim.in_backward import check_not_hooked
 
 AUTO = "auto"
 ACTIVATIONS = (None, "fp8", "fp8_attention", "recompute")
@@ -215,15 +218,22 @@ def _blocks(model: nn.Module, blocks) -> tuple[str, nn.ModuleList]:
             mod = model.get_submodule(blocks)
         except AttributeError as e:
             raise ValueError(f"lpoptim.prepare: blocks={blocks!r}: {e}") from None
-        if not isinstance(mod, nn.ModuleList):
-            raise ValueError(f"lpoptim.prepare: blocks={blocks!r} is a {type(mod).__name__}, not an nn.ModuleList")
+        if not isinstance(mod, _STACKS):
+            raise ValueError(f"lpoptim.prepare: blocks={blocks!r} is a {type(mod).__name__}, not an nn.ModuleList "
+                             "or nn.Sequential")
         return blocks, mod
-    if isinstance(blocks, nn.ModuleList):
+    if isinstance(blocks, _STACKS):
         name = next((n for n, m in model.named_modules() if m is blocks), None)
         if name is None:
             raise ValueError("lpoptim.prepare: the blocks given are not part of the model")
         return name, blocks
-    raise TypeError(f"lpoptim.prepare: blocks is a name or an nn.ModuleList, got {type(blocks).__name__}")
+    raise TypeError(f"lpoptim.prepare: blocks is a name, an nn.ModuleList or an nn.Sequential, got "
+                    f"{type(blocks).__name__}")
+
+
+# what a named stack of blocks may be: a ModuleList (what HF models hold), or a Sequential that calls its blocks
+# in turn ("" names the model itself, a plain torch model that is one)
+_STACKS = (nn.ModuleList, nn.Sequential)
 
 
 def _ddp(model: nn.Module) -> nn.Module | None:
@@ -262,7 +272,7 @@ def _module_class(module: nn.Module) -> type:
 
 def _in_blocks(stack_name: str):
     """convert_linears' filter for the layers inside the blocks (``stack_name``: their ModuleList in the model)."""
-    prefix = stack_name + "."
+    prefix = stack_name + "." if stack_name else ""  # "": the model is the stack
     return lambda module, fqn: fqn.startswith(prefix)
 
 
@@ -382,12 +392,14 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
         raise ValueError(f"lpoptim.prepare: max_memory_gib must be a positive number, got {max_memory_gib!r}")
     budget_name = "max_memory_gib" if max_memory_fraction is None else "max_memory_fraction"
     if (max_memory_gib is not None or max_memory_fraction is not None) and not (isinstance(tokens, int) and tokens > 0):
-        raise ValueError(f"lpoptim.prepare: {budget_name} needs tokens= (batch x sequence length of one step) "
-                         "to estimate the activations")
+        got = "" if tokens is None else f", got {tokens!r}"
+        raise ValueError(f"lpoptim.prepare: {budget_name} needs tokens=, a positive int (batch x sequence length of "
+                         f"one step), to estimate the activations{got}")
     name, stack = _blocks(model, blocks)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("lpoptim.prepare: the model has no parameters that require gradients")
+    check_not_hooked(params, "lpoptim.prepare")  # prepared before, and not removed
     device = params[0].device
     cuda = device.type == "cuda"
     # FP8 activations (recompute's FP8 block inputs too) and low-bit linears need FP8 conversions: refused before
@@ -532,6 +544,15 @@ class _CompileOnRemove:
         self.blocks = []
 
 
+def _keywords(fn, *leave_out: str) -> frozenset:
+    return frozenset(name for name, p in inspect.signature(fn).parameters.items()
+                     if p.kind is not p.VAR_KEYWORD and name not in leave_out)
+
+
+# what prepare's **optimizer_kwargs may hold: lpoptim.AdamW's arguments (lr is prepare's own)
+_ADAMW_OPTIONS = _keywords(AdamW.__init__, "self", "params", "lr") | frozenset(LPOPTIM_DEFAULTS)
+
+
 def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, linears=AUTO, activations=AUTO,
             compile=AUTO, cuda_graphs: bool = False, step_in_backward=AUTO, chunked_loss=AUTO, offload=AUTO,
             max_memory_gib: float | None = None,
@@ -541,6 +562,11 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
 
     Every argument is checked, and the plan made, before the model is touched (but for FSDP2 units that hold
     gathered weights, resharded first: FSDP2's own resting state, which the optimizer must see)."""
+    unknown = sorted(set(optimizer_kwargs) - _ADAMW_OPTIONS)
+    if unknown:  # a misspelt option of prepare's own lands here too: name both lists, not only AdamW's
+        raise TypeError(f"lpoptim.prepare() got unexpected keyword arguments {unknown}: its own options are "
+                        f"{sorted(_PREPARE_OPTIONS)}, the rest go to lpoptim.AdamW, whose options are "
+                        f"{sorted(_ADAMW_OPTIONS)}")
     for module in model.modules():  # FSDP2 units gathered now (reshard_after_forward=False after a forward) hold
         if is_fsdp_unit(module):  # the gathered tensors in place of their parameters: the optimizer takes the shards
             module.reshard()
@@ -556,7 +582,7 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
         result.bf16_stochastic_round = bool(optimizer_kwargs["bf16_stochastic_round"])  # the caller's word wins
     params = [p for p in model.parameters() if p.requires_grad]
     opt = AdamW(params, lr=lr, **optimizer_kwargs)  # its argument errors before the model changes
-    stack = model.get_submodule(result.blocks)
+    stack = list(model.get_submodule(result.blocks))  # its blocks (a Sequential is one module: its elements are)
     if result.use_cache_off:
         _unwrapped(model).config.use_cache = False
     mode = "reduce-overhead" if result.cuda_graphs else None  # torch.compile's, for CUDA graphs
@@ -587,3 +613,6 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
     if verbose:
         print(result.summary())
     return opt
+
+
+_PREPARE_OPTIONS = _keywords(prepare, "model", "optimizer_kwargs")

@@ -76,3 +76,43 @@ def test_optimizer_dropped_while_hooked_raises_not_silently_stops():
     gc.collect()
     with pytest.raises(RuntimeError, match="garbage-collected"):
         (m(x) - y).pow(2).mean().backward()
+
+
+def test_frozen_parameters_take_no_hook():
+    """Fine-tuning freezes layers; torch.optim.AdamW (and lpoptim.AdamW) accept them and skip them: so does the
+    step in backward (torch refuses a hook on a tensor that needs no gradient)."""
+    m, data = model_and_data()
+    m[0].weight.requires_grad_(False)
+    frozen = m[0].weight.detach().clone()
+    opt = lpoptim.AdamW(m.parameters(), lr=1e-2)
+    handle = lpoptim.step_in_backward(opt)
+    x, y = data[0]
+    before = m[2].weight.detach().clone()
+    (m(x) - y).pow(2).mean().backward()
+    assert torch.equal(m[0].weight, frozen) and not torch.equal(m[2].weight, before)
+    handle.remove()
+
+
+def test_parameters_stepped_by_a_live_handle_are_refused_and_a_dropped_ones_hooks_replaced():
+    """Two optimizers stepping the same parameters in backward would both update them (and the first frees the
+    gradient the second needs): refused while the first handle is active, allowed once it is removed. A handle
+    dropped without remove() leaves hooks that raise at the next backward; registering anew replaces them."""
+    import gc
+
+    m, data = model_and_data()
+    x, y = data[0]
+    first = lpoptim.step_in_backward(lpoptim.AdamW(m.parameters(), lr=1e-2))
+    with pytest.raises(RuntimeError, match="already stepped inside backward by another optimizer"):
+        lpoptim.step_in_backward(lpoptim.AdamW(m.parameters(), lr=1e-2))
+    first.remove()
+    second = lpoptim.step_in_backward(lpoptim.AdamW(m.parameters(), lr=0.0, weight_decay=0.0))
+    before = [p.detach().clone() for p in m.parameters()]
+    (m(x) - y).pow(2).mean().backward()  # only the second optimizer steps: lr 0 moves nothing
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+    del second
+    gc.collect()
+    third = lpoptim.step_in_backward(lpoptim.AdamW(m.parameters(), lr=1e-2))
+    (m(x) - y).pow(2).mean().backward()  # the dropped handle's hooks are gone: no "garbage-collected" error
+    assert any(not torch.equal(a, b) for a, b in zip(before, m.parameters()))
+    assert all(len(p._post_accumulate_grad_hooks) == 1 for p in m.parameters())
+    third.remove()

@@ -498,11 +498,15 @@ BAD_OPTIONS = [
     (dict(max_memory_fraction=0.9, tokens=1024), ValueError, "fraction of a GPU's memory.*on cpu"),
     (dict(blocks="out"), ValueError, "not an nn.ModuleList"),
     (dict(blocks="no.such.layers"), ValueError, "no.such.layers"),
-    (dict(blocks=3), TypeError, "name or an nn.ModuleList"),
+    (dict(blocks=3), TypeError, "name, an nn.ModuleList or an nn.Sequential"),
     (dict(blocks=nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])), ValueError, "not part of the model"),
     (dict(lr=-1.0), ValueError, "learning rate"),  # the optimizer's own check, before the model changes
     (dict(betas=(0.9,)), ValueError, "betas"),
     (dict(no_such_option=1), TypeError, "no_such_option"),
+    # a misspelt option of prepare's own is named as prepare's, with its own options listed
+    (dict(step_in_backwards=False), TypeError, r"prepare\(\) got unexpected keyword arguments \['step_in_backwards'\]: "
+                                               r"its own options are \[.*'step_in_backward'"),
+    (dict(max_memory_gib=8, tokens=-5), ValueError, "a positive int .*got -5"),
 ]
 
 
@@ -1064,3 +1068,49 @@ def test_cuda_graphs_conditions():
     _check_cuda_graphs(True, True, None, p, False)
     for activations in (None, "fp8", "fp8_attention", 0.5):
         _check_cuda_graphs(True, True, activations, p, False)
+
+
+def test_preparing_a_prepared_model_again_is_refused_until_its_plan_is_removed():
+    """The first optimizer's hooks would go on stepping the parameters inside backward (with its own lr) and free
+    the gradients the second one needs: refused, the model as it was; after plan.remove(), prepare works again and
+    only the new optimizer steps."""
+    model = _tiny_llama()
+    first = prepare(model, lr=1e-2)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    before, logits = _fingerprint(model), model(input_ids=ids).logits
+    with pytest.raises(RuntimeError, match="prepare: these parameters are already stepped inside backward"):
+        prepare(model, lr=0.0, step_in_backward=False)
+    _assert_unchanged(model, before, lambda: torch.testing.assert_close(model(input_ids=ids).logits, logits,
+                                                                        rtol=0, atol=0))
+    first.plan.remove()
+    second = prepare(model, lr=0.0, weight_decay=0.0)
+    weights = [p.detach().clone() for p in model.parameters()]
+    model(input_ids=ids, labels=ids).loss.backward()
+    second.step()
+    second.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))  # lr 0: the old lr steps nothing
+
+
+def test_a_sequential_of_blocks_is_a_stack():
+    """A plain torch model that is an nn.Sequential of blocks: blocks="" names the model itself (the error for a
+    model without a ModuleList says to name the blocks); FP8 activations wrap each block, not the whole."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(3)])
+    with pytest.raises(ValueError, match="name it"):
+        prepare(model, lr=1e-3)
+    ref = nn.Sequential(*[nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(3)])
+    ref.load_state_dict(model.state_dict())
+    opt = prepare(model, lr=1e-3, blocks="", activations="fp8", min_quant_numel=64)
+    assert opt.plan.blocks == "" and opt.plan.n_blocks == 3
+    ref_opt = lpoptim.AdamW(ref.parameters(), lr=1e-3, min_quant_numel=64)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=0.05, atol=2e-3)  # FP8 activations against exact ones
+    assert all("forward" in block.__dict__ for block in model) and "forward" not in model.__dict__

@@ -4,6 +4,8 @@ tests/test_update_bound.py's streams, state bytes, exact resume, and torch AdamW
 import io
 import math
 
+import warnings
+
 import pytest
 import torch
 
@@ -273,8 +275,25 @@ def test_per_group_state_bits_and_changing_it_after_a_step_is_refused():
     _train(model, opt, 1)
     assert "exp_avg_codes4" in opt.state[model[0].weight] and "exp_avg_codes" in opt.state[model[2].weight]
     opt.param_groups[1]["state_bits"] = 4
-    with pytest.raises(ValueError, match="state_bits=8"):
+    with pytest.raises(ValueError, match="state_bits=8.*set state_bits in the param_groups of its state_dict"):
         _train(model, opt, 1)
+
+
+def test_loading_other_state_bits_than_built_with_warns_and_keeps_the_saved_ones():
+    """A loaded group's options replace the optimizer's (torch's rule), so an optimizer built with state_bits=4
+    that loads an FP8 state dict keeps FP8 states: it says so, and how to convert, instead of leaving the user
+    believing the states are 4-bit."""
+    a = _model()
+    opt8 = lpoptim.AdamW(a.parameters(), lr=1e-3)
+    _train(a, opt8, 2)
+    b = _model()
+    opt4 = lpoptim.AdamW(b.parameters(), lr=1e-3, state_bits=4)
+    with pytest.warns(UserWarning, match=r"saved with state_bits=8 and keeps it .*param_groups\[0\]\['state_bits'\]"):
+        opt4.load_state_dict(opt8.state_dict())
+    assert opt4.param_groups[0]["state_bits"] == 8 and "exp_avg_codes" in opt4.state[b[0].weight]
+    with warnings.catch_warnings():  # the same bits: nothing to say
+        warnings.simplefilter("error")
+        lpoptim.AdamW(_model().parameters(), lr=1e-3).load_state_dict(opt8.state_dict())
 
 
 def test_reference_matches_torch_adamw_loosely():

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import numbers
+import warnings
 from collections import defaultdict
 from itertools import chain
 from typing import Any
@@ -306,8 +307,15 @@ class AdamW(Optimizer):
         id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
                           chain.from_iterable(g["params"] for g in groups), strict=True))
         param_groups = []
-        for group, new_group in zip(groups, saved_groups, strict=True):
+        for index, (group, new_group) in enumerate(zip(groups, saved_groups, strict=True)):
             new_group["params"] = group["params"]
+            if new_group.get("state_bits", group["state_bits"]) != group["state_bits"]:
+                # torch's rule (a loaded group's options win) keeps the saved bits; a user who built this
+                # optimizer with other bits to convert the states would otherwise get no conversion, unnoticed
+                warnings.warn(f"lpoptim.AdamW.load_state_dict: param group {index} was saved with state_bits="
+                              f"{new_group['state_bits']} and keeps it (this optimizer was built with "
+                              f"{group['state_bits']}); to convert the states, set param_groups[{index}]"
+                              f"['state_bits'] in the state dict before loading it", stacklevel=3)
             if "param_names" in group and "param_names" not in new_group:
                 new_group["param_names"] = group["param_names"]
             for k in LPOPTIM_DEFAULTS:  # a torch AdamW state dict has none of lpoptim's options: this group's stay
@@ -476,8 +484,9 @@ def _check_state(state: dict, param: torch.Tensor, layout: StateLayout) -> None:
                          "(p.data replaced by a tensor of another shape)")
     if scale is not None and state_bits_of(state) != layout.state_bits:
         raise ValueError(f"lpoptim.AdamW: this parameter's state was built with state_bits={state_bits_of(state)}, "
-                         f"its group now asks for {layout.state_bits}: state_bits cannot change after the first step "
-                         "(load the state dict into an optimizer built with the new state_bits: it is converted)")
+                         f"its group now asks for {layout.state_bits}: state_bits cannot change after the first step. "
+                         "To convert, set state_bits in the param_groups of its state_dict() and load that: the "
+                         "loaded states are converted (a loaded group's options replace the optimizer's, as in torch)")
 
 
 def _convert_state(state: dict, param: torch.Tensor, layout: StateLayout) -> dict:

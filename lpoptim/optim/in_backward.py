@@ -31,15 +31,43 @@ import weakref
 import torch
 
 
+# the attribute a hooked parameter carries: (a weak reference to its InBackwardHandle, the hook's RemovableHandle)
+_HOOKED_BY = "_lpoptim_in_backward"
+
+
 class InBackwardHandle:
-    def __init__(self, hooks, optimizer):
+    def __init__(self, hooks, optimizer, params=()):
         self._hooks = hooks
         self.optimizer = optimizer  # held here, strongly: the hooks only hold it weakly
+        self._params = list(params)  # the hooked parameters, whose mark remove() takes off
+
+    @property
+    def active(self) -> bool:
+        return bool(self._hooks)
 
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for p in self._params:
+            owner = getattr(p, _HOOKED_BY, None)
+            if owner is not None and owner[0]() is self:
+                delattr(p, _HOOKED_BY)
+        self._params = []
+
+
+def check_not_hooked(params, caller: str = "lpoptim.step_in_backward") -> None:
+    """Raise if a parameter is already stepped in backward by a live handle (another optimizer's hooks would go on
+    updating it, and freeing its gradient before this optimizer sees it)."""
+    for p in params:
+        owner = getattr(p, _HOOKED_BY, None)
+        handle = owner[0]() if owner is not None else None
+        if handle is not None and handle.active:
+            raise RuntimeError(
+                f"{caller}: these parameters are already stepped inside backward by another optimizer (an earlier "
+                "lpoptim.prepare or lpoptim.step_in_backward on this model); its hooks would keep updating them. "
+                "Call plan.remove() on the optimizer that prepare returned (or remove() on step_in_backward's "
+                "handle) first, or start from a fresh model")
 
 
 ACCUMULATION_ERROR = (
@@ -76,6 +104,10 @@ def step_in_backward(optimizer, bucket_mb: float = 256, require_step: bool = Fal
                         f"not {type(optimizer).__name__}")
     if bucket_mb < 0:
         raise ValueError(f"bucket_mb must be >= 0, got {bucket_mb}")
+    # frozen parameters get no gradient (torch.optim skips them) and take no hook
+    hooked = [(index, p) for index, group in enumerate(optimizer.param_groups) for p in group["params"]
+              if p.requires_grad]
+    check_not_hooked(p for _, p in hooked)
     limit = bucket_mb * 2**20
     # the hooks live on the parameters (held by C++, out of the garbage collector's sight), so they hold the
     # optimizer only weakly: a strong reference would keep model and optimizer alive after the user drops them.
@@ -121,9 +153,16 @@ def step_in_backward(optimizer, bucket_mb: float = 256, require_step: bool = Fal
                 flush()
         return hook
 
-    hooks = [p.register_post_accumulate_grad_hook(make_hook(index))
-             for index, group in enumerate(optimizer.param_groups) for p in group["params"]]
+    hooks = []
+    for index, p in hooked:
+        old = getattr(p, _HOOKED_BY, None)
+        if old is not None:  # a handle that was dropped without remove(): its hooks, which would raise, go
+            old[1].remove()
+        hooks.append(p.register_post_accumulate_grad_hook(make_hook(index)))
     if require_step:  # optimizer.step() claims the backward that stepped in its place
         hooks.append(optimizer.register_step_pre_hook(
             lambda _opt, _args, _kwargs: state.__setitem__("unclaimed_backward", False)))
-    return InBackwardHandle(hooks, optimizer)
+    handle = InBackwardHandle(hooks, optimizer, [p for _, p in hooked])
+    for (_, p), hook in zip(hooked, hooks):
+        setattr(p, _HOOKED_BY, (weakref.ref(handle), hook))
+    return handle
