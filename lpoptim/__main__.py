@@ -81,7 +81,7 @@ def fraction(text: str) -> float:
 
 
 def positive_float(text: str) -> float:
-    return _number(text, lambda x: x > 0, "a positive number")
+    return _number(text, lambda x: 0 < x < float("inf"), "a positive number")
 
 
 def stack_list(text: str) -> list[Stack]:
@@ -95,7 +95,7 @@ def stack_list(text: str) -> list[Stack]:
 def train_run(stack: Stack) -> dict:
     """The RunConfig fields of a train run; ValueError for parts only bench has."""
     if (stack.optimizer not in ("torch", "lpoptim") or stack.recompute or stack.in_backward or stack.chunked_loss
-            or stack.activation_budget is not None or stack.cuda_graphs):
+            or stack.activation_budget is not None or stack.cuda_graphs or stack.hf_checkpointing or stack.offload):
         raise ValueError(f"run {stack.name!r}: train takes {TRAIN_PARTS}")
     options = dict(state_bits=4) if stack.state_bits == 4 else {}
     return dict(optimizer=stack.optimizer, recipe=stack.linears, compress=stack.compress, attention=stack.attention,
@@ -191,6 +191,7 @@ def cmd_train(ap: Parser, args) -> int:
     if args.steps is not None:
         preset["steps"] = args.steps
         preset["eval_every"] = max(1, args.steps // 5)
+    out_dir = make_out_dir(ap, args.out)  # first: a --text built from files is written there
     text = args.text or bundled_text_path()
     limit = STDLIB_CHARS_BY_PRESET.get(args.preset, STDLIB_CHARS)
     if isinstance(text, str) and is_glob(text):
@@ -207,7 +208,6 @@ def cmd_train(ap: Parser, args) -> int:
         ap.error(f"--text {text}: cannot read it as text ({e})")
     if len(data.val) <= preset["block_size"] + 1:
         ap.error(f"--text {text}: too short; its last 10% must hold more than {preset['block_size'] + 1} characters")
-    out_dir = make_out_dir(ap, args.out)
     results = []
     for name, run in args.runs:
         if args.compile:  # each run compiles afresh: FP8-activation runs bring hooks of their own, which Dynamo guards
@@ -255,9 +255,14 @@ def cmd_bench(ap: Parser, args, argv) -> int:
         ap.error("argument --budget-fraction: it is a fraction of the GPU's memory: it needs CUDA")
     if args.profile and device != "cuda":
         ap.error("argument --profile: it times GPU kernels: it needs CUDA")
-    hf_only = [r.name for r in args.recipes or [] if r.optimizer == "prepare" or r.hf_checkpointing]
-    if hf_only and args.hf_config is None:
-        ap.error(f"argument --recipes: {', '.join(hf_only)} run on a Hugging Face model: they need --hf-config")
+    # recipes asked for by name that cannot run with these arguments are refused (the default list skips them)
+    cannot = [(r.name, bench.unavailable(r, device, args.compile, hf=args.hf_config is not None))
+              for r in args.recipes or []]
+    cannot = [f"{name}: {why}" for name, why in cannot if why]
+    if cannot:
+        ap.error(f"argument --recipes: {'; '.join(cannot)}")
+    if args.hf_config is not None and args.n_layer is not None and args.n_layer < 2:
+        ap.error("argument --n-layer: with --hf-config at least 2 (prepare finds the blocks as a stack of two or more)")
     if budget_given and args.recipes and not any(r.optimizer == "prepare" for r in args.recipes):
         ap.error(f"argument {budget_arg}: it is the prepare recipe's budget; no prepare recipe in --recipes")
     budget = (dict(max_memory_gib=args.budget_gib) if args.budget_gib is not None else
@@ -270,8 +275,13 @@ def cmd_bench(ap: Parser, args, argv) -> int:
         try:
             hf_config = bench.load_hf_config(args.hf_config)
         except (ValueError, OSError, json.JSONDecodeError) as e:
-            ap.error(f"argument --hf-config: {str(e).splitlines()[0]}")
-        preset = Path(args.hf_config).stem if Path(args.hf_config).suffix == ".json" else Path(args.hf_config).name
+            ap.error(f"argument --hf-config: {args.hf_config}: {str(e).splitlines()[0][:300]}")
+        if not bench.is_causal_lm(hf_config):
+            ap.error(f"argument --hf-config: {args.hf_config}: a {type(hf_config).__name__} is not a causal LM "
+                     "(bench times transformers' AutoModelForCausalLM)")
+        path = Path(args.hf_config)  # the model's name: a folder's, or a .json file's (config.json: its folder's)
+        preset = (path.name if path.suffix != ".json" else
+                  path.resolve().parent.name if path.name == "config.json" else path.stem)
         batch, seq = bench.HF_DEFAULT_SHAPE[device]
     else:
         preset = args.preset or ("tinyllama-1.1b" if device == "cuda" else "tiny")

@@ -90,6 +90,13 @@ def unavailable(stack: Stack, device: str, compile_blocks: bool = False, hf: boo
     return None
 
 
+def is_causal_lm(hf_config) -> bool:
+    """Whether transformers' AutoModelForCausalLM builds this config's model (what --hf-config runs)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return getattr(hf_config, "model_type", None) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes held by a tensor; a tensor subclass (torchao's quantized states) counts its inner tensors."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
@@ -507,10 +514,13 @@ def environment() -> dict:
     import shlex
     import sys
 
+    # `python -m lpoptim ...` leaves this module's path in sys.argv[0]: recorded as the command that reruns it
+    argv = ["-m", "lpoptim", *sys.argv[1:]] if sys.argv[0].endswith(("lpoptim/__main__.py", "lpoptim\\__main__.py")) \
+        else sys.argv
     return dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None, torch=torch.__version__,
                 triton=_version("triton"), transformers=_version("transformers"),
                 bitsandbytes=_version("bitsandbytes"), torchao=_version("torchao"),
-                command=shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
+                command=shlex.join([sys.executable.rsplit("/", 1)[-1], *argv]))
 
 
 def parameter_count(report: dict) -> str:

@@ -42,6 +42,14 @@ BAD_ARGS = [
     ["bench", "--hf-config", "llama2-7b", "--budget-fraction", "0.9", "--budget-gib", "30"],  # one budget
     ["bench", "--budget-fraction", "0.9"],  # with --hf-config only
     ["bench", "--hf-config", "llama2-7b", "--budget-fraction", "0.9", "--device", "cpu"],  # a GPU's fraction
+    # recipes asked for by name that cannot run with these arguments (the default list skips such recipes)
+    ["bench", "--recipes", "torch,lpoptim+sac50", "--device", "cpu"],  # Inductor's budget: --compile
+    ["bench", "--recipes", "lpoptim+cg", "--device", "cpu", "--compile"],  # CUDA graphs: CUDA
+    ["bench", "--recipes", "lpoptim+off2"],  # offloading goes through prepare: --hf-config (and CUDA)
+    ["bench", "--hf-config", "llama2-7b", "--n-layer", "1"],  # prepare's stack is two blocks or more
+    ["bench", "--hf-config", "llama2-7b", "--budget-gib", "inf"],
+    ["train", "--runs", "lpoptim+off2"],  # bench-only parts
+    ["train", "--runs", "lpoptim+ckpt"],
 ]
 
 
@@ -250,3 +258,35 @@ def test_glob_text_concatenates_the_matching_files_in_path_order(tmp_path, no_wo
     named = tmp_path / "notes[1].txt"  # a file whose name reads as a glob is the file
     named.write_text("x")
     assert cli.existing_file(str(named)) == named
+
+
+def test_hf_config_that_is_no_causal_lm_is_refused_and_a_config_json_named_by_its_folder(tmp_path, capsys, no_work):
+    vit = tmp_path / "vit"
+    vit.mkdir()
+    (vit / "config.json").write_text(json.dumps({"model_type": "vit", "hidden_size": 64, "num_hidden_layers": 2,
+                                                 "num_attention_heads": 4, "intermediate_size": 128}))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--hf-config", str(vit / "config.json"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "ViTConfig is not a causal LM" in err and err.count("\n") == 1
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--hf-config", str(bad), "--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and str(bad) in capsys.readouterr().err  # which file
+
+
+def test_train_checks_out_before_it_builds_a_text_there(tmp_path, capsys, no_work):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit) as e:  # --out is a file: refused in one line, no traceback from the text builder
+        cli.main(["train", "--text", "python-stdlib", "--steps", "3", "--out", str(tmp_path / "file")])
+    assert e.value.code == 2 and "--out" in capsys.readouterr().err
+
+
+def test_recorded_command_reruns_as_written(monkeypatch):
+    from lpoptim.bench import environment
+
+    monkeypatch.setattr(sys, "argv", ["/somewhere/lpoptim/__main__.py", "bench", "--steps", "3"])
+    assert environment()["command"].endswith("-m lpoptim bench --steps 3")
+    monkeypatch.setattr(sys, "argv", ["benchmarks/fsdp.py", "--small"])
+    assert environment()["command"].endswith("benchmarks/fsdp.py --small")
