@@ -275,7 +275,8 @@ def cmd_bench(ap: Parser, args, argv) -> int:
         try:
             hf_config = bench.load_hf_config(args.hf_config)
         except (ValueError, OSError, json.JSONDecodeError) as e:
-            ap.error(f"argument --hf-config: {args.hf_config}: {str(e).splitlines()[0][:300]}")
+            why = str(e).splitlines()[0].split(". Should contain one of")[0]  # not transformers' list of every type
+            ap.error(f"argument --hf-config: {args.hf_config}: {why[:300]}")
         if not bench.is_causal_lm(hf_config):
             ap.error(f"argument --hf-config: {args.hf_config}: a {type(hf_config).__name__} is not a causal LM "
                      "(bench times transformers' AutoModelForCausalLM)")

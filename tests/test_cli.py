@@ -274,6 +274,11 @@ def test_hf_config_that_is_no_causal_lm_is_refused_and_a_config_json_named_by_it
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", "--hf-config", str(bad), "--out", str(tmp_path / "out")])
     assert e.value.code == 2 and str(bad) in capsys.readouterr().err  # which file
+    (vit / "config.json").write_text(json.dumps({"model_type": "no-such-model"}))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--hf-config", str(vit), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "no-such-model" in err and len(err) < 400  # not every model type transformers has
 
 
 def test_train_checks_out_before_it_builds_a_text_there(tmp_path, capsys, no_work):
