@@ -514,9 +514,8 @@ def environment() -> dict:
     import shlex
     import sys
 
-    # `python -m lpoptim ...` leaves this module's path in sys.argv[0]: recorded as the command that reruns it
-    argv = ["-m", "lpoptim", *sys.argv[1:]] if sys.argv[0].endswith(("lpoptim/__main__.py", "lpoptim\\__main__.py")) \
-        else sys.argv
+    # `python -m lpoptim ...` leaves lpoptim's __main__.py in sys.argv[0]: recorded as the command that reruns it
+    argv = ["-m", "lpoptim", *sys.argv[1:]] if Path(sys.argv[0]).parts[-2:] == ("lpoptim", "__main__.py") else sys.argv
     return dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None, torch=torch.__version__,
                 triton=_version("triton"), transformers=_version("transformers"),
                 bitsandbytes=_version("bitsandbytes"), torchao=_version("torchao"),

@@ -399,7 +399,6 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("lpoptim.prepare: the model has no parameters that require gradients")
-    check_not_hooked(params, "lpoptim.prepare")  # prepared before, and not removed
     device = params[0].device
     cuda = device.type == "cuda"
     # FP8 activations (recompute's FP8 block inputs too) and low-bit linears need FP8 conversions: refused before
@@ -567,6 +566,8 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
         raise TypeError(f"lpoptim.prepare() got unexpected keyword arguments {unknown}: its own options are "
                         f"{sorted(_PREPARE_OPTIONS)}, the rest go to lpoptim.AdamW, whose options are "
                         f"{sorted(_ADAMW_OPTIONS)}")
+    # prepared before and not removed: the first optimizer would go on stepping the parameters inside backward
+    check_not_hooked((p for p in model.parameters() if p.requires_grad), "lpoptim.prepare")
     for module in model.modules():  # FSDP2 units gathered now (reshard_after_forward=False after a forward) hold
         if is_fsdp_unit(module):  # the gathered tensors in place of their parameters: the optimizer takes the shards
             module.reshard()

@@ -292,9 +292,8 @@ class _OffloadedForward(_OffloadedCall):
         self.had_forward = had_forward
         functools.update_wrapper(self, original)
 
-    @torch.compiler.disable(recursive=False)  # compiled later: Dynamo runs this eagerly and compiles ``original``
-    def __call__(self, *args, **kwargs):
-        return self.handle._call(self.index, self.original, args, kwargs)
+    # compiled later: Dynamo runs this eagerly and compiles ``original``
+    __call__ = torch.compiler.disable(_OffloadedCall.__call__, recursive=False)
 
 
 def offload_activations(blocks: nn.Module | Iterable[nn.Module], n_blocks: int, *,

@@ -96,6 +96,10 @@ def step_in_backward(optimizer, bucket_mb: float = 256, require_step: bool = Fal
     backward, ``bucket_mb`` MiB of gradients at a time (0: each parameter as its gradient arrives), and then set
     their ``.grad`` to None. Whatever is queued when backward ends is stepped then.
 
+    Frozen parameters (``requires_grad=False``) take no hook, as torch.optim skips them. A parameter is stepped in
+    backward by one handle at a time: one that another active handle steps is refused (RuntimeError) until that
+    handle's ``remove()``; the hooks of a handle dropped without it are replaced.
+
     ``require_step``: the loop still calls ``optimizer.step()`` once per backward (which then finds no gradients
     and does nothing); a second backward without it raises (before it updates anything) instead of silently
     stepping once per micro-batch, which is what a loop accumulating gradients would get."""
