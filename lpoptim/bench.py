@@ -233,7 +233,7 @@ def build_hf(stack: Stack, hf_config, device: str, compile_blocks: bool, tokens:
     info = {}
     if stack.optimizer in ("lpoptim", "prepare"):
         if stack.optimizer == "prepare":
-            options = dict(budget, tokens=tokens) if budget else {}
+            options = dict(budget or {}, tokens=tokens)  # the tokens a step: what pays depends on them
             options["cuda_graphs"] = stack.cuda_graphs
             if stack.offload:
                 options["offload"] = stack.offload

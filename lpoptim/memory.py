@@ -82,13 +82,15 @@ def estimate_peak_bytes(model: nn.Module, blocks: nn.ModuleList, plan, tokens: i
     width = getattr(getattr(model, "config", None), "hidden_size", None)
     if not isinstance(width, int):
         width = min((m.in_features for m in blocks[0].modules() if isinstance(m, nn.Linear)), default=0)
+    # converted linears that run this many tokens in bf16 save what nn.Linear saves (LowBitLinear.min_tokens)
+    low_bit = bool(plan.linears) and tokens >= plan.linears_min_tokens
     if plan.hf_checkpointing:  # the model's own recompute: each block's input in its dtype, one block replayed
         activations = tokens * (len(blocks) * width * elem + per_block_token)
     elif plan.activations == "recompute":  # the FP8 inputs, and one block's activations as the replay saves them
-        replayed = per_block_token * FACTOR[plan.compile, bool(plan.linears), False]
+        replayed = per_block_token * FACTOR[plan.compile, low_bit, False]
         activations = tokens * (len(blocks) * width + replayed)
     else:
-        factor = FACTOR[plan.compile, bool(plan.linears), plan.activations in ("fp8", "fp8_attention")]
+        factor = FACTOR[plan.compile, low_bit, plan.activations in ("fp8", "fp8_attention")]
         if isinstance(plan.activations, float):  # Inductor's budget: that fraction of what the block would save
             factor *= plan.activations
         activations = tokens * len(blocks) * per_block_token * factor

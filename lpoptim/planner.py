@@ -16,7 +16,10 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
   ModuleList of one module class (HF transformers decoders and encoders).
 - ``linears``: the blocks' nn.Linear layers run their GEMMs in FP8 (a ``convert_linears`` recipe). Auto: the
   default recipe where the blocks are compiled on a GPU with FP8 tensor cores (compute capability >= 8.9), none
-  elsewhere: eager FP8 linears spend more host time quantizing than their GEMMs save. On a GPU without FP8
+  elsewhere: eager FP8 linears spend more host time quantizing than their GEMMs save. Converted by the auto
+  choice, a layer runs in bf16 a call of fewer than ``LINEARS_MIN_TOKENS`` tokens (the weight's quantization costs
+  the same at any batch; the GEMMs' savings shrink with it), and with ``tokens`` under it none is converted. An
+  explicit recipe runs low-bit at any batch. On a GPU without FP8
   conversions (compute capability below 8.9: lpoptim/device.py) FP8 activations and low-bit linears are left
   out, and refused (ValueError, before any change) where asked for.
 - ``activations``: "fp8" (what the blocks save for backward kept in FP8, attention's q, k, v and output as they
@@ -96,6 +99,11 @@ AUTO_BUDGETS = (0.5, 0.3)  # the activation budgets the auto ladder tries on com
 # max_memory_gib=54: 28 of 40 blocks, 6.2 GiB a step each way, 6,693 tokens/s
 # (docs/results/hf_llama2_13b_budget54_h100.json) against 7,200 without (hf_llama2_13b_h100.json, an older run)
 MAX_OFFLOAD_FRACTION = 0.7
+# the fewest tokens a call for which the auto choice of linears runs them low-bit (LowBitLinear.min_tokens): a
+# layer's weight is quantized once per call whatever the tokens, its GEMMs' savings grow with them. HF Llama-2-7B,
+# compiled blocks, step in backward, one H100 (docs/results/hf_llama2_7b_tokens*_h100.json): FP8 linears
+# MEASURED
+LINEARS_MIN_TOKENS = 1536
 
 
 @dataclass
@@ -116,6 +124,7 @@ class Plan:
     offload_blocks: int = 0  # the first that many blocks' saved activations in host memory (offload_activations)
     group_size: int = 128
     hf_checkpointing: bool = False  # the model's own gradient checkpointing is on (the estimate counts it)
+    linears_min_tokens: int = 0  # converted linears run a call of fewer tokens in bf16 (LowBitLinear.min_tokens)
     reasons: dict = field(default_factory=dict)  # part -> why it is what it is
     estimate_gib: dict | None = None  # the budget's estimates, candidate name -> GiB (None: no budget given)
     handles: list = field(default_factory=list, repr=False)
@@ -127,7 +136,8 @@ class Plan:
 
     def options(self) -> dict:
         """The ``plan()`` / ``prepare()`` keyword arguments that choose what this plan chose (no budget needed):
-        what ``lpoptim bench`` records beside the summary, so that a file's plan can be made again."""
+        what ``lpoptim bench`` records beside the summary, so that a file's plan can be made again (at its tokens: a
+        named recipe runs low-bit at any batch, where the auto choice runs small ones in bf16)."""
         return dict(blocks=self.blocks, linears=self.linears, activations=self.activations, compile=self.compile,
                     cuda_graphs=self.cuda_graphs, step_in_backward=self.step_in_backward, chunked_loss=self.chunked_loss,
                     offload=self.offload_blocks, state_bits=self.state_bits, min_quant_numel=self.min_quant_numel,
@@ -143,7 +153,9 @@ class Plan:
 
     def summary(self) -> str:
         rows = [("blocks", f"{self.blocks} ({self.n_blocks} x {self.block_class})"),
-                ("linears", self.linears or "unchanged"), ("activations", self.activations_label),
+                ("linears", (f"{self.linears}, bf16 under {self.linears_min_tokens:,} tokens a call"
+                             if self.linears and self.linears_min_tokens else self.linears or "unchanged")),
+                ("activations", self.activations_label),
                 ("offload", f"the first {self.offload_blocks} blocks' saved activations in host memory"
                  if self.offload_blocks else "no"),
                 ("compile", ("each block, as CUDA graphs" if self.cuda_graphs else "each block") if self.compile
@@ -343,6 +355,18 @@ def device_memory_gib(device: torch.device) -> float:
     return torch.cuda.get_device_properties(device).total_memory * cap / 2**30
 
 
+def auto_linears(compiled: bool, fp8_cores: bool, tokens: int | None) -> tuple[str | None, int, str]:
+    """The auto choice of linears: (recipe or None, the layers' min_tokens, why)."""
+    if not fp8_cores:
+        return None, 0, "no FP8 tensor cores"
+    if not compiled:
+        return None, 0, "eager: quantizing costs more host time than the FP8 GEMMs save"
+    if tokens is not None and tokens < LINEARS_MIN_TOKENS:
+        return None, 0, (f"{tokens:,} tokens a step: under {LINEARS_MIN_TOKENS:,}, quantizing the weights costs more "
+                         "than the FP8 GEMMs save")
+    return DEFAULT_RECIPE, LINEARS_MIN_TOKENS, "compiled blocks on FP8 tensor cores"
+
+
 def _check_cuda_graphs(compile, cuda: bool, activations, params, hf_checkpointing: bool) -> None:
     """cuda_graphs=True's conditions, checked before anything changes (plan's docstring says why)."""
     if not cuda:
@@ -391,10 +415,14 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     if max_memory_gib is not None and not (_is_real(max_memory_gib) and max_memory_gib > 0):
         raise ValueError(f"lpoptim.prepare: max_memory_gib must be a positive number, got {max_memory_gib!r}")
     budget_name = "max_memory_gib" if max_memory_fraction is None else "max_memory_fraction"
-    if (max_memory_gib is not None or max_memory_fraction is not None) and not (isinstance(tokens, int) and tokens > 0):
+    good_tokens = isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0
+    if (max_memory_gib is not None or max_memory_fraction is not None) and not good_tokens:
         got = "" if tokens is None else f", got {tokens!r}"
         raise ValueError(f"lpoptim.prepare: {budget_name} needs tokens=, a positive int (batch x sequence length of "
                          f"one step), to estimate the activations{got}")
+    if tokens is not None and not good_tokens:
+        raise ValueError(f"lpoptim.prepare: tokens is a positive int (batch x sequence length of one step), got "
+                         f"{tokens!r}")
     name, stack = _blocks(model, blocks)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
@@ -425,13 +453,9 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     hf = _unwrapped(model)
     if cuda_graphs:
         _check_cuda_graphs(compile, cuda, activations, params, _hf_checkpointing(hf))
+    linears_min_tokens = 0
     if linears == AUTO:
-        if compile and fp8_cores:
-            linears, reasons["linears"] = DEFAULT_RECIPE, "compiled blocks on FP8 tensor cores"
-        else:
-            linears = None
-            reasons["linears"] = ("no FP8 tensor cores" if not fp8_cores else
-                                  "eager: quantizing costs more host time than the FP8 GEMMs save")
+        linears, linears_min_tokens, reasons["linears"] = auto_linears(bool(compile), fp8_cores, tokens)
     else:
         linears = linears or None
     if linears and not any(type(m) is nn.Linear for m in stack.modules()):  # GPT-2's Conv1D, say
@@ -487,7 +511,7 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
                   chunked_loss=bool(chunked_loss),
                   bf16_stochastic_round=bf16, use_cache_off=use_cache_off, state_bits=state_bits,
                   min_quant_numel=min_quant_numel, group_size=group_size, hf_checkpointing=_hf_checkpointing(hf),
-                  reasons=reasons, model=model)
+                  linears_min_tokens=linears_min_tokens if linears else 0, reasons=reasons, model=model)
     if bf16:
         reasons["bf16_stochastic_round"] = "bf16 parameters: no fp32 master copy"
     if max_memory_gib is None:
@@ -590,7 +614,7 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
     if result.linears:  # the blocks' layers, seen from the model (under FSDP2, which units hold them); as graphs,
         # the weight scale kept on the device (LowBitLinear says why only there)
         convert_linears(model, result.linears, previous_weight_scale=result.cuda_graphs,
-                        filter_fn=_in_blocks(result.blocks))
+                        min_tokens=result.linears_min_tokens, filter_fn=_in_blocks(result.blocks))
     wrapped = result.activations in ACTIVATIONS[1:]
     if wrapped:  # compiled, the wrapper calls each block's compiled forward (wrap.py: no graph break per call)
         result.handles.append(compress_activations(

@@ -75,7 +75,7 @@ def conversion_targets(model: nn.Module, filter_fn: Callable[[nn.Module, str], b
 def convert_linears(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *,
                     filter_fn: Callable[[nn.Module, str], bool] | None = None,
                     skip: tuple[str, ...] = DEFAULT_SKIP, skip_tied: bool = True, previous_weight_scale: bool = False,
-                    **recipe_overrides) -> nn.Module:
+                    min_tokens: int = 0, **recipe_overrides) -> nn.Module:
     """Replace every nn.Linear of ``model`` (in place) by a LowBitLinear running ``recipe``; returns ``model``.
 
     recipe: a name of lpoptim.nn.RECIPES (default "fp8_delayed": fp8 scaled per tensor from recent absmax values)
@@ -86,6 +86,8 @@ def convert_linears(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *,
     filter_fn(module, fqn) -> bool: when given, a layer is converted only if it also returns True.
     previous_weight_scale: set on the converted layers (LowBitLinear says what it does, and why only with CUDA
       graphs).
+    min_tokens: an input of fewer tokens (rows, all leading dims together) runs nn.Linear's own forward instead
+      (LowBitLinear.min_tokens says why); 0, the default: every call low-bit.
     Parameters are shared, not copied: an optimizer built before the conversion still holds the right tensors.
     A layer that FSDP2's fully_shard holds (it keeps the module and swaps its weight, a sharded DTensor, for the
     gathered one around forward and backward) is converted in place (LowBitLinear.adopt): the same module object,
@@ -95,6 +97,8 @@ def convert_linears(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *,
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_linears takes an nn.Module, got {type(model).__name__}")
     recipe = get_recipe(recipe, **recipe_overrides)  # TypeError / ValueError before anything is touched
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+        raise ValueError(f"convert_linears: min_tokens is an int >= 0, got {min_tokens!r}")
     cls = module_class(recipe)
     try:  # every layer checked before any changes
         todo, odd, held = conversion_targets(model, filter_fn, skip, skip_tied)
@@ -115,6 +119,7 @@ def convert_linears(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *,
             layer = cls.from_linear(linear, recipe)
             setattr(parent, child, layer)
         layer.previous_weight_scale = previous_weight_scale
+        layer.min_tokens = min_tokens
     return model
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .delayed import ROLES, AmaxHistory, new_history
 from .functional import lowbit_linear
@@ -33,6 +34,11 @@ class LowBitLinear(nn.Linear):
     # pays (prepare(cuda_graphs=True) sets it). Not with recompute (activation checkpointing): the recomputed
     # forward would take the scale the first one left, not the one it took.
     previous_weight_scale = False
+    # Inputs of fewer tokens (rows) than this run nn.Linear's own forward (bf16 GEMMs under autocast): W is quantized
+    # (read, cast, and cast again transposed for backward) once per call whatever the number of tokens, while the
+    # GEMMs' savings grow with it, so a small batch pays more than it saves. 0: every call low-bit (convert_linears'
+    # default); lpoptim.prepare sets it where it chose the layers itself (planner.py says what was measured).
+    min_tokens = 0
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  recipe: str | Recipe = DEFAULT_RECIPE, **recipe_overrides):
@@ -126,12 +132,15 @@ class LowBitLinear(nn.Linear):
         return self._amax_rings
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.min_tokens and x.numel() < self.min_tokens * self.in_features:  # a shape test: no guard on values
+            return F.linear(x, self.weight, self.bias)
         return lowbit_linear(x, self.weight, self.bias, self.recipe, histories=self._histories(),
                              weight_state=self.weight_amax_state if self.training and self.previous_weight_scale
                              else None)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.recipe.name}"
+        below = f", bf16 under {self.min_tokens} tokens" if self.min_tokens else ""
+        return f"{super().extra_repr()}, recipe={self.recipe.name}{below}"
 
 
 # Named per recipe for readable reprs and isinstance checks; the arithmetic is all in the recipe.
