@@ -16,10 +16,11 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
   ModuleList of one module class (HF transformers decoders and encoders).
 - ``linears``: the blocks' nn.Linear layers run their GEMMs in FP8 (a ``convert_linears`` recipe). Auto: the
   default recipe where the blocks are compiled on a GPU with FP8 tensor cores (compute capability >= 8.9), none
-  elsewhere: eager FP8 linears spend more host time quantizing than their GEMMs save. Converted by the auto
-  choice, a layer runs in bf16 a call of fewer than ``LINEARS_MIN_TOKENS`` tokens (the weight's quantization costs
-  the same at any batch; the GEMMs' savings shrink with it), and with ``tokens`` under it none is converted. An
-  explicit recipe runs low-bit at any batch. On a GPU without FP8
+  elsewhere: eager FP8 linears spend more host time quantizing than their GEMMs save. The auto choice converts
+  only layers of at least ``LINEARS_MIN_FEATURES`` in and out features, which run a call of fewer than
+  ``LINEARS_MIN_TOKENS`` tokens in bf16 (a weight's quantization costs the same at any batch, the GEMMs' savings
+  shrink with it and with the width), and none with ``tokens`` under that. A recipe named converts every layer of
+  the blocks, low-bit at any batch. On a GPU without FP8
   conversions (compute capability below 8.9: lpoptim/device.py) FP8 activations and low-bit linears are left
   out, and refused (ValueError, before any change) where asked for.
 - ``activations``: "fp8" (what the blocks save for backward kept in FP8, attention's q, k, v and output as they
@@ -99,10 +100,13 @@ AUTO_BUDGETS = (0.5, 0.3)  # the activation budgets the auto ladder tries on com
 # max_memory_gib=54: 28 of 40 blocks, 6.2 GiB a step each way, 6,693 tokens/s
 # (docs/results/hf_llama2_13b_budget54_h100.json) against 7,200 without (hf_llama2_13b_h100.json, an older run)
 MAX_OFFLOAD_FRACTION = 0.7
-# the fewest tokens a call for which the auto choice of linears runs them low-bit (LowBitLinear.min_tokens): a
-# layer's weight is quantized once per call whatever the tokens, its GEMMs' savings grow with them. HF Llama-2-7B,
-# compiled blocks, step in backward, one H100 (docs/results/hf_llama2_7b_tokens*_h100.json): FP8 linears
-# MEASURED
+# The auto choice of linears converts the blocks' layers of at least LINEARS_MIN_FEATURES in and out features, and
+# runs them low-bit from LINEARS_MIN_TOKENS tokens a call (LowBitLinear.min_tokens): a weight is quantized once a
+# call whatever the tokens, and narrow GEMMs gain little from FP8. HF Llama shapes, compiled blocks, step in
+# backward, one H100, tokens/s of FP8 linears against the same step's bf16 GEMMs (docs/prepare.md): width 4096
+# (Llama-2-7B) 0.91x at 1 x 1024 tokens, 1.03x at 1 x 1536, 1.13x at 1 x 2048; width 2048 0.98x at 1 x 2048,
+# 0.79x at 1 x 4096; width 1024 0.60x and 0.67x.
+LINEARS_MIN_FEATURES = 4096
 LINEARS_MIN_TOKENS = 1536
 
 
@@ -124,7 +128,9 @@ class Plan:
     offload_blocks: int = 0  # the first that many blocks' saved activations in host memory (offload_activations)
     group_size: int = 128
     hf_checkpointing: bool = False  # the model's own gradient checkpointing is on (the estimate counts it)
-    linears_min_tokens: int = 0  # converted linears run a call of fewer tokens in bf16 (LowBitLinear.min_tokens)
+    # linears chosen by prepare (0 where named): only layers this wide in and out, in bf16 under these tokens a call
+    linears_min_features: int = 0
+    linears_min_tokens: int = 0
     reasons: dict = field(default_factory=dict)  # part -> why it is what it is
     estimate_gib: dict | None = None  # the budget's estimates, candidate name -> GiB (None: no budget given)
     handles: list = field(default_factory=list, repr=False)
@@ -153,8 +159,9 @@ class Plan:
 
     def summary(self) -> str:
         rows = [("blocks", f"{self.blocks} ({self.n_blocks} x {self.block_class})"),
-                ("linears", (f"{self.linears}, bf16 under {self.linears_min_tokens:,} tokens a call"
-                             if self.linears and self.linears_min_tokens else self.linears or "unchanged")),
+                ("linears", (f"{self.linears} where {self.linears_min_features:,} wide in and out, bf16 under "
+                             f"{self.linears_min_tokens:,} tokens a call" if self.linears and self.linears_min_tokens
+                             else self.linears or "unchanged")),
                 ("activations", self.activations_label),
                 ("offload", f"the first {self.offload_blocks} blocks' saved activations in host memory"
                  if self.offload_blocks else "no"),
@@ -355,16 +362,23 @@ def device_memory_gib(device: torch.device) -> float:
     return torch.cuda.get_device_properties(device).total_memory * cap / 2**30
 
 
-def auto_linears(compiled: bool, fp8_cores: bool, tokens: int | None) -> tuple[str | None, int, str]:
-    """The auto choice of linears: (recipe or None, the layers' min_tokens, why)."""
+def _wide(module: nn.Module, features: int) -> bool:
+    return min(module.in_features, module.out_features) >= features
+
+
+def auto_linears(compiled: bool, fp8_cores: bool, tokens: int | None, stack: nn.Module) -> tuple[str | None, str]:
+    """The auto choice of linears: (recipe or None, why)."""
     if not fp8_cores:
-        return None, 0, "no FP8 tensor cores"
+        return None, "no FP8 tensor cores"
     if not compiled:
-        return None, 0, "eager: quantizing costs more host time than the FP8 GEMMs save"
+        return None, "eager: quantizing costs more host time than the FP8 GEMMs save"
     if tokens is not None and tokens < LINEARS_MIN_TOKENS:
-        return None, 0, (f"{tokens:,} tokens a step: under {LINEARS_MIN_TOKENS:,}, quantizing the weights costs more "
-                         "than the FP8 GEMMs save")
-    return DEFAULT_RECIPE, LINEARS_MIN_TOKENS, "compiled blocks on FP8 tensor cores"
+        return None, (f"{tokens:,} tokens a step: under {LINEARS_MIN_TOKENS:,}, quantizing the weights costs more than "
+                      "the FP8 GEMMs save")
+    if not any(type(m) is nn.Linear and _wide(m, LINEARS_MIN_FEATURES) for m in stack.modules()):
+        return None, (f"no layer of the blocks is {LINEARS_MIN_FEATURES:,} wide in and out: narrower ones run "
+                      "slower in FP8")
+    return DEFAULT_RECIPE, "compiled blocks on FP8 tensor cores"
 
 
 def _check_cuda_graphs(compile, cuda: bool, activations, params, hf_checkpointing: bool) -> None:
@@ -453,9 +467,9 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     hf = _unwrapped(model)
     if cuda_graphs:
         _check_cuda_graphs(compile, cuda, activations, params, _hf_checkpointing(hf))
-    linears_min_tokens = 0
-    if linears == AUTO:
-        linears, linears_min_tokens, reasons["linears"] = auto_linears(bool(compile), fp8_cores, tokens)
+    auto = linears == AUTO
+    if auto:
+        linears, reasons["linears"] = auto_linears(bool(compile), fp8_cores, tokens, stack)
     else:
         linears = linears or None
     if linears and not any(type(m) is nn.Linear for m in stack.modules()):  # GPT-2's Conv1D, say
@@ -511,7 +525,8 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
                   chunked_loss=bool(chunked_loss),
                   bf16_stochastic_round=bf16, use_cache_off=use_cache_off, state_bits=state_bits,
                   min_quant_numel=min_quant_numel, group_size=group_size, hf_checkpointing=_hf_checkpointing(hf),
-                  linears_min_tokens=linears_min_tokens if linears else 0, reasons=reasons, model=model)
+                  linears_min_features=LINEARS_MIN_FEATURES if auto and linears else 0,
+                  linears_min_tokens=LINEARS_MIN_TOKENS if auto and linears else 0, reasons=reasons, model=model)
     if bf16:
         reasons["bf16_stochastic_round"] = "bf16 parameters: no fp32 master copy"
     if max_memory_gib is None:
@@ -613,8 +628,10 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
     mode = "reduce-overhead" if result.cuda_graphs else None  # torch.compile's, for CUDA graphs
     if result.linears:  # the blocks' layers, seen from the model (under FSDP2, which units hold them); as graphs,
         # the weight scale kept on the device (LowBitLinear says why only there)
+        in_blocks = _in_blocks(result.blocks)
         convert_linears(model, result.linears, previous_weight_scale=result.cuda_graphs,
-                        min_tokens=result.linears_min_tokens, filter_fn=_in_blocks(result.blocks))
+                        min_tokens=result.linears_min_tokens,
+                        filter_fn=lambda m, fqn: in_blocks(m, fqn) and _wide(m, result.linears_min_features))
     wrapped = result.activations in ACTIVATIONS[1:]
     if wrapped:  # compiled, the wrapper calls each block's compiled forward (wrap.py: no graph break per call)
         result.handles.append(compress_activations(
