@@ -104,8 +104,8 @@ MAX_OFFLOAD_FRACTION = 0.7
 # runs them low-bit from LINEARS_MIN_TOKENS tokens a call (LowBitLinear.min_tokens): a weight is quantized once a
 # call whatever the tokens, and narrow GEMMs gain little from FP8. HF Llama shapes, compiled blocks, step in
 # backward, one H100, tokens/s of FP8 linears against the same step's bf16 GEMMs (docs/prepare.md): width 4096
-# (Llama-2-7B) 0.91x at 1 x 1024 tokens, 1.03x at 1 x 1536, 1.13x at 1 x 2048; width 2048 0.98x at 1 x 2048,
-# 0.79x at 1 x 4096; width 1024 0.60x and 0.67x.
+# (Llama-2-7B) 0.91x at 1 x 1024 tokens, 1.03x at 1 x 1536, 1.13x at 1 x 2048; width 2048 (TinyLlama-1.1B) 0.65x at
+# 1 x 2048, 0.69x at 1 x 4096.
 LINEARS_MIN_FEATURES = 4096
 LINEARS_MIN_TOKENS = 1536
 

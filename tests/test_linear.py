@@ -1,5 +1,7 @@
 """Low-bit linear layers on CPU: exact emulated GEMMs, the pieces of each recipe, gradient error bounds per
 recipe against an fp32 nn.Linear, the module and convert_linears."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -394,3 +396,35 @@ def test_specs_and_recipes_check_their_fields_when_made():
         Recipe("mine", bwd_granularity="group")
     with pytest.raises(ValueError, match="fwd_fmt"):
         Recipe("mine", fwd_fmt="e5m2")
+
+
+def test_min_tokens_runs_small_calls_as_nn_linear():
+    """A layer with min_tokens runs a call of fewer tokens (all leading dims together) as nn.Linear does, output
+    and gradients bit for bit, and a call of that many or more low-bit, as without it; convert_linears sets it on
+    every layer it converts and refuses a bad value before any layer changes."""
+    torch.manual_seed(0)
+    base = nn.Linear(64, 32)
+    low = LowBitLinear.from_linear(copy.deepcopy(base), "fp8_tensor")
+    gated = LowBitLinear.from_linear(copy.deepcopy(base), "fp8_tensor")
+    gated.min_tokens = 12
+    for shape, like in (((1, 11, 64), base), ((3, 4, 64), low), ((2, 6, 64), low), ((16, 64), low)):
+        x = torch.randn(shape)
+        outs = []
+        for layer in (like, gated):
+            xi = x.clone().requires_grad_()
+            y = layer(xi)
+            y.pow(2).sum().backward()
+            outs.append((y, xi.grad, layer.weight.grad, layer.bias.grad))
+            layer.zero_grad(set_to_none=True)
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), shape
+    x = torch.randn(2, 6, 64)
+    assert not torch.equal(base(x), gated(x))  # 12 tokens: low-bit, which rounds
+
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 48))
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="min_tokens"):
+            convert_linears(model, "fp8", min_tokens=bad)
+        assert converted(model) == {}
+    convert_linears(model, "fp8", min_tokens=256)
+    assert [m.min_tokens for m in model] == [256, 256] and "min_tokens=256" in repr(model[0])

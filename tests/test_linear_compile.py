@@ -118,3 +118,25 @@ def test_compiled_layer_takes_new_shapes(recipe):
         y = torch.compile(m)(x)
         y.sum().backward()
         assert y.shape == (2, tokens, n) and x.grad.shape == x.shape
+
+
+def test_min_tokens_under_compile():
+    """min_tokens is a test of the input's shape: compiled without a graph break, a call of fewer tokens computes
+    what nn.Linear does and a call of that many what the low-bit layer does, each as eager; with token counts
+    that Dynamo makes symbolic (a third shape), the branch follows each call's count."""
+    torch._dynamo.reset()
+    lin, m, x = _layer("fp8_tensor")  # 40 tokens
+    m.min_tokens = 41
+    assert all(torch.equal(a, b) for a, b in zip(_grads(lin, lin, x), _grads(
+        torch.compile(m, backend="aot_eager", fullgraph=True), lin, x), strict=True))
+    torch._dynamo.reset()
+    m.min_tokens = 40
+    low = LowBitLinear.from_linear(lin, "fp8_tensor")
+    assert all(torch.equal(a, b) for a, b in zip(_grads(low, lin, x), _grads(
+        torch.compile(m, backend="aot_eager", fullgraph=True), lin, x), strict=True))
+    torch._dynamo.reset()
+    run = torch.compile(m, backend="aot_eager")
+    for tokens in (16, 24, 32, 48, 64):
+        x = torch.randn(1, tokens, 64, requires_grad=True)
+        like = lin if tokens < 40 else low
+        assert torch.equal(run(x), like(x)), tokens

@@ -712,6 +712,61 @@ def test_estimates_stay_above_the_measured_peaks():
     assert checked >= 18, checked
 
 
+def test_auto_linears_by_width_and_tokens(monkeypatch):
+    """The auto choice of linears, where it converts (compiled blocks on FP8 tensor cores: pretended here, on the
+    CPU, with the thresholds scaled to a tiny model): only the blocks' layers at least LINEARS_MIN_FEATURES wide in
+    and out, each running a call of fewer than LINEARS_MIN_TOKENS tokens as nn.Linear does (the same loss and
+    gradients as the unconverted model, bit for bit) and a larger call low-bit; none with tokens= under the
+    threshold or where no layer is that wide, nor eager or without FP8 cores. The estimate counts the layers as
+    nn.Linear below the threshold; a named recipe converts every layer, low-bit at any batch."""
+    import lpoptim.planner as planner
+
+    monkeypatch.setattr(planner, "LINEARS_MIN_FEATURES", 64)
+    monkeypatch.setattr(planner, "LINEARS_MIN_TOKENS", 40)
+    real = planner.auto_linears
+    base = _tiny_llama()
+    stack = base.model.layers
+    assert real(False, True, None, stack)[0] is None and real(True, False, None, stack)[0] is None
+    assert real(True, True, 39, stack) == (None, "39 tokens a step: under 40, quantizing the weights costs more "
+                                                 "than the FP8 GEMMs save")
+    assert real(True, True, 40, stack)[0] == real(True, True, None, stack)[0] == "fp8_delayed"
+    monkeypatch.setattr(planner, "LINEARS_MIN_FEATURES", 256)
+    assert "no layer of the blocks is 256 wide" in real(True, True, None, stack)[1]
+    monkeypatch.setattr(planner, "LINEARS_MIN_FEATURES", 64)
+
+    monkeypatch.setattr(planner, "auto_linears", lambda compiled, fp8_cores, tokens, stack: real(
+        True, True, tokens, stack))
+    model = copy.deepcopy(base)
+    opt = prepare(model, lr=1e-3, compile=False, step_in_backward=False, chunked_loss=False)
+    p = opt.plan
+    assert (p.linears, p.linears_min_features, p.linears_min_tokens) == ("fp8_delayed", 64, 40)
+    assert "fp8_delayed where 64 wide in and out, bf16 under 40 tokens a call" in p.summary()
+    low = {n.split("layers.0.")[1] for n, m in model.named_modules() if isinstance(m, LowBitLinear)
+           and "layers.0." in n}
+    assert low == {"self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
+    assert all(m.min_tokens == 40 for m in model.modules() if isinstance(m, LowBitLinear))
+    small, large = _batch("llama", 16), _batch("llama", 24)  # 32 and 48 tokens a step
+    for batch, same in ((small, True), (large, False)):
+        ref, got = _run(base, **batch), _run(model, **batch)
+        assert torch.equal(ref[0].loss, got[0].loss) == same
+        assert all(torch.equal(ref[1][n], got[1][n]) for n in ref[1]) == same
+    tokens = 32
+    named = plan(base, linears="fp8_delayed", compile=False, tokens=tokens, step_in_backward=False,
+                 chunked_loss=False)
+    assert (named.linears_min_features, named.linears_min_tokens) == (0, 0)
+    # compiled, the step in backward (the estimate of eager FP8 linears is nn.Linear's; without the step in
+    # backward, the gradients outweigh this model's activations)
+    auto, named = (replace(c, compile=True, step_in_backward=True) for c in (p, named))
+    unconverted = replace(named, linears=None)
+    for t in (tokens, 48):
+        low, high = (estimate_peak_bytes(base, stack, c, t) for c in (named, unconverted))
+        assert low < high and estimate_peak_bytes(base, stack, auto, t) == (high if t < 40 else low)
+    assert plan(base, compile=False, tokens=tokens).linears is None  # under the threshold: nothing converted
+    for bad in (0, -5, True, 2.0):
+        with pytest.raises(ValueError, match="tokens"):
+            plan(base, compile=False, tokens=bad)
+
+
 def test_plan_options_make_the_same_plan_again():
     """Plan.options() (what lpoptim bench records as plan_options) gives plan() what makes the same choices, without
     the budget that made them; prepare takes them as they are."""

@@ -139,7 +139,7 @@ class LowBitLinear(nn.Linear):
                              else None)
 
     def extra_repr(self) -> str:
-        below = f", bf16 under {self.min_tokens} tokens" if self.min_tokens else ""
+        below = f", min_tokens={self.min_tokens}" if self.min_tokens else ""
         return f"{super().extra_repr()}, recipe={self.recipe.name}{below}"
 
 
