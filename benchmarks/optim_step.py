@@ -179,8 +179,11 @@ def main(argv=None):
 
 
 def cpu_smoke(args):
-    """Without CUDA: step the small set once with lpoptim and torch AdamW, and report state bytes."""
+    """Without CUDA: step the small set once with lpoptim and torch AdamW, report state bytes, write ``--out``."""
+    from lpoptim.bench import environment
+
     shapes = llama_1b_shapes(True)
+    rows = []
     for name, make in optimizers():
         if name not in ("lpoptim.AdamW", "torch AdamW fused"):
             continue
@@ -191,7 +194,12 @@ def cpu_smoke(args):
         t0 = time.perf_counter()
         opt.step()
         n = sum(p.numel() for p in params)
-        print(f"{name:24s} cpu  {optimizer_state_bytes(opt) / n:.3f} B/param  step {1e3 * (time.perf_counter() - t0):.1f} ms")
+        rows.append(dict(name=name, dtype="float32", params=n, state_bytes_per_param=optimizer_state_bytes(opt) / n,
+                         step_ms=1e3 * (time.perf_counter() - t0)))
+        print(f"{name:24s} cpu  {rows[-1]['state_bytes_per_param']:.3f} B/param  step {rows[-1]['step_ms']:.1f} ms")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(dict(info=dict(environment(), params=rows[0]["params"]), rows=rows), indent=1))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
