@@ -7,14 +7,15 @@ activations are a model: per token and block, a multiple of the bytes of the inp
 (what those layers save), calibrated on HF's Llama-2-7B shape at 1 x 2048 tokens, bf16, one H100, torch 2.11
 (``lpoptim bench --hf-config llama2-7b``, eager and ``--compile``): 2.6 of them eager, 1.75 compiled; then x 0.32
 with FP8 activations eager, x 0.5 with FP8 activations and FP8 linears eager; compiled, x 0.62 with FP8
-activations, x 0.75 with FP8 linears, x 0.55 with both; attention's q, k, v and output packed too (FP8 per row:
-half their bf16 bytes) save half of those; with recompute, one FP8 block input per block and one
-block's activations while it is replayed; with k of n blocks offloaded to host memory, (n - k + 1) / n of them
+activations, x 0.75 with FP8 linears, x 0.55 with both (FP8 linears' factors for the share of the
+linear inputs that low-bit layers take: those a width threshold converts, none under a token threshold);
+attention's q, k, v and output packed too (FP8 per row: half their bf16 bytes) save half of those; with
+recompute, one FP8 block input per block and one block's activations while it is replayed; with k of n blocks offloaded to host memory, (n - k + 1) / n of them
 (one block fetched back ahead). The LM head and loss: about 10 bytes per logit (the logits, their fp32
 copy and softmax's gradient), or with the chunked loss the hidden states' gradient, the head's weight gradient and
 the smaller of the logits' gradient and an fp32 sum of the weight's. Then 1.2% for the allocator. On HF Llama
-shapes of 7B, 13B and 26B (1 x 2048 and 4 x 2048, nineteen stacks, eager and compiled, FP8 and 4-bit states:
-docs/results/hf_*.json) the estimate lay 0.26-0.92 GiB above the measured peak, never below it; on other shapes,
+shapes of 7B, 13B and 26B (1 x 1024 to 4 x 2048, 33 stacks, eager and compiled, FP8 and 4-bit states:
+docs/results/hf_*.json) the estimate lay 0.03-0.93 GiB above the measured peak, never below it; on other shapes,
 treat it as an estimate: ``lpoptim bench --hf-config`` measures the real peak.
 """
 from __future__ import annotations
@@ -57,6 +58,18 @@ def linear_input_features(block: nn.Module) -> int:
     return sum(m.in_features for m in block.modules() if isinstance(m, nn.Linear))
 
 
+def low_bit_share(block: nn.Module, plan, tokens: int) -> float:
+    """The share of a block's linear-layer inputs (in features) that the plan's low-bit layers take at ``tokens``
+    tokens a call: those of the layers its width threshold converts, none under its token threshold (where the
+    layers run as nn.Linear)."""
+    if not plan.linears or tokens < plan.linears_min_tokens:
+        return 0.0
+    layers = [m for m in block.modules() if isinstance(m, nn.Linear)]
+    total = sum(m.in_features for m in layers)
+    wide = sum(m.in_features for m in layers if min(m.in_features, m.out_features) >= plan.linears_min_features)
+    return wide / total if total else 0.0
+
+
 def attention_saved_features(model: nn.Module, width: int) -> int:
     """Features per token of what a block's attention saves for backward: q, k, v and its output (from an HF
     config's heads; else 4 x the block's width)."""
@@ -82,15 +95,18 @@ def estimate_peak_bytes(model: nn.Module, blocks: nn.ModuleList, plan, tokens: i
     width = getattr(getattr(model, "config", None), "hidden_size", None)
     if not isinstance(width, int):
         width = min((m.in_features for m in blocks[0].modules() if isinstance(m, nn.Linear)), default=0)
-    # converted linears that run this many tokens in bf16 save what nn.Linear saves (LowBitLinear.min_tokens)
-    low_bit = bool(plan.linears) and tokens >= plan.linears_min_tokens
+    share = low_bit_share(blocks[0], plan, tokens)
+
+    def factor_of(activations_fp8: bool) -> float:  # FP8 linears' factor for their share of the linear inputs
+        return (share * FACTOR[plan.compile, True, activations_fp8]
+                + (1 - share) * FACTOR[plan.compile, False, activations_fp8])
     if plan.hf_checkpointing:  # the model's own recompute: each block's input in its dtype, one block replayed
         activations = tokens * (len(blocks) * width * elem + per_block_token)
     elif plan.activations == "recompute":  # the FP8 inputs, and one block's activations as the replay saves them
-        replayed = per_block_token * FACTOR[plan.compile, low_bit, False]
+        replayed = per_block_token * factor_of(False)
         activations = tokens * (len(blocks) * width + replayed)
     else:
-        factor = FACTOR[plan.compile, low_bit, plan.activations in ("fp8", "fp8_attention")]
+        factor = factor_of(plan.activations in ("fp8", "fp8_attention"))
         if isinstance(plan.activations, float):  # Inductor's budget: that fraction of what the block would save
             factor *= plan.activations
         activations = tokens * len(blocks) * per_block_token * factor

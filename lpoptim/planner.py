@@ -16,11 +16,12 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
   ModuleList of one module class (HF transformers decoders and encoders).
 - ``linears``: the blocks' nn.Linear layers run their GEMMs in FP8 (a ``convert_linears`` recipe). Auto: the
   default recipe where the blocks are compiled on a GPU with FP8 tensor cores (compute capability >= 8.9), none
-  elsewhere: eager FP8 linears spend more host time quantizing than their GEMMs save. The auto choice converts
-  only layers of at least ``LINEARS_MIN_FEATURES`` in and out features, which run a call of fewer than
-  ``LINEARS_MIN_TOKENS`` tokens in bf16 (a weight's quantization costs the same at any batch, the GEMMs' savings
-  shrink with it and with the width), and none with ``tokens`` under that. A recipe named converts every layer of
-  the blocks, low-bit at any batch. On a GPU without FP8
+  elsewhere: eager FP8 linears spend more host time quantizing than their GEMMs save. ``linears_min_features``:
+  only layers at least that wide in and out are converted; ``linears_min_tokens``: a call of fewer tokens (one
+  forward's batch x sequence length on this device) runs nn.Linear's own forward (``LowBitLinear.min_tokens``): a
+  weight's quantization costs the same at any batch, the GEMMs' savings shrink with it and with the width. Auto
+  uses ``LINEARS_MIN_FEATURES`` and ``LINEARS_MIN_TOKENS`` (measured: below), and converts none with ``tokens``
+  under the latter; a recipe named uses 0 and 0 (every layer of the blocks, low-bit at any batch) unless given. On a GPU without FP8
   conversions (compute capability below 8.9: lpoptim/device.py) FP8 activations and low-bit linears are left
   out, and refused (ValueError, before any change) where asked for.
 - ``activations``: "fp8" (what the blocks save for backward kept in FP8, attention's q, k, v and output as they
@@ -75,6 +76,7 @@ the wrapping parts (activations, chunked loss, in-backward stepping; converted l
 from __future__ import annotations
 
 import inspect
+import numbers
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -144,10 +146,18 @@ class Plan:
         """The ``plan()`` / ``prepare()`` keyword arguments that choose what this plan chose (no budget needed):
         what ``lpoptim bench`` records beside the summary, so that a file's plan can be made again (at its tokens: a
         named recipe runs low-bit at any batch, where the auto choice runs small ones in bf16)."""
-        return dict(blocks=self.blocks, linears=self.linears, activations=self.activations, compile=self.compile,
+        return dict(blocks=self.blocks, linears=self.linears, linears_min_features=self.linears_min_features,
+                    linears_min_tokens=self.linears_min_tokens, activations=self.activations, compile=self.compile,
                     cuda_graphs=self.cuda_graphs, step_in_backward=self.step_in_backward, chunked_loss=self.chunked_loss,
                     offload=self.offload_blocks, state_bits=self.state_bits, min_quant_numel=self.min_quant_numel,
                     group_size=self.group_size)
+
+    @property
+    def linears_label(self) -> str:
+        where = [f"where {self.linears_min_features:,} wide in and out"] if self.linears_min_features else []
+        if self.linears_min_tokens:
+            where.append(f"nn.Linear under {self.linears_min_tokens:,} tokens a call")
+        return ", ".join([self.linears, *where]) if self.linears else "unchanged"
 
     @property
     def activations_label(self) -> str:
@@ -159,9 +169,7 @@ class Plan:
 
     def summary(self) -> str:
         rows = [("blocks", f"{self.blocks} ({self.n_blocks} x {self.block_class})"),
-                ("linears", (f"{self.linears} where {self.linears_min_features:,} wide in and out, bf16 under "
-                             f"{self.linears_min_tokens:,} tokens a call" if self.linears and self.linears_min_tokens
-                             else self.linears or "unchanged")),
+                ("linears", self.linears_label),
                 ("activations", self.activations_label),
                 ("offload", f"the first {self.offload_blocks} blocks' saved activations in host memory"
                  if self.offload_blocks else "no"),
@@ -289,13 +297,15 @@ def _module_class(module: nn.Module) -> type:
     return cls.__bases__[-1] if is_fsdp_unit(module) and len(cls.__bases__) == 2 else cls
 
 
-def _in_blocks(stack_name: str):
-    """convert_linears' filter for the layers inside the blocks (``stack_name``: their ModuleList in the model)."""
+def _in_blocks(stack_name: str, min_features: int = 0):
+    """convert_linears' filter for the layers inside the blocks (``stack_name``: their ModuleList in the model) at
+    least ``min_features`` wide in and out."""
     prefix = stack_name + "." if stack_name else ""  # "": the model is the stack
-    return lambda module, fqn: fqn.startswith(prefix)
+    return lambda module, fqn: fqn.startswith(prefix) and _wide(module, min_features)
 
 
-def _sharded_parts(model: nn.Module, stack_name: str, params, linears, has_budget: bool, reasons: dict):
+def _sharded_parts(model: nn.Module, stack_name: str, params, linears, min_features: int, has_budget: bool,
+                   reasons: dict):
     """What differs when the parameters are DTensors (FSDP2's fully_shard, applied before prepare); returns the
     linears choice. The budget is refused (the estimate counts one process holding whole parameters, states and
     gradients, not a rank's shards and the blocks FSDP2 gathers). Linears are converted as without FSDP2, in place
@@ -312,7 +322,7 @@ def _sharded_parts(model: nn.Module, stack_name: str, params, linears, has_budge
                          "activations=")
     if linears not in (None, False):
         try:  # the layers prepare would convert (as it converts them)
-            conversion_targets(model, _in_blocks(stack_name))
+            conversion_targets(model, _in_blocks(stack_name, min_features))
         except ValueError as e:
             if linears != AUTO:
                 raise ValueError(f"lpoptim.prepare: linears={linears!r}: {e}") from None
@@ -363,22 +373,40 @@ def device_memory_gib(device: torch.device) -> float:
 
 
 def _wide(module: nn.Module, features: int) -> bool:
-    return min(module.in_features, module.out_features) >= features
+    return not features or min(module.in_features, module.out_features) >= features
 
 
-def auto_linears(compiled: bool, fp8_cores: bool, tokens: int | None, stack: nn.Module) -> tuple[str | None, str]:
-    """The auto choice of linears: (recipe or None, why)."""
+def auto_linears(compiled: bool, fp8_cores: bool, tokens: int | None, stack: nn.Module, min_features: int,
+                 min_tokens: int) -> tuple[str | None, str]:
+    """The auto choice of linears, for layers at least ``min_features`` wide from ``min_tokens`` tokens a call:
+    (recipe or None, why)."""
     if not fp8_cores:
         return None, "no FP8 tensor cores"
     if not compiled:
         return None, "eager: quantizing costs more host time than the FP8 GEMMs save"
-    if tokens is not None and tokens < LINEARS_MIN_TOKENS:
-        return None, (f"{tokens:,} tokens a step: under {LINEARS_MIN_TOKENS:,}, quantizing the weights costs more than "
-                      "the FP8 GEMMs save")
-    if not any(type(m) is nn.Linear and _wide(m, LINEARS_MIN_FEATURES) for m in stack.modules()):
-        return None, (f"no layer of the blocks is {LINEARS_MIN_FEATURES:,} wide in and out: narrower ones run "
-                      "slower in FP8")
+    if tokens is not None and tokens < min_tokens:
+        return None, (f"{tokens:,} tokens a step: under {min_tokens:,}, quantizing the weights costs more than the FP8 "
+                      "GEMMs save")
+    if not any(type(m) is nn.Linear and _wide(m, min_features) for m in stack.modules()):
+        if any(isinstance(m, LowBitLinear) for m in stack.modules()):
+            return None, "the blocks' layers are low-bit already"
+        return None, (f"no layer of the blocks is {min_features:,} wide in and out (narrower ones were slower in FP8 "
+                      "where measured: docs/prepare.md)")
     return DEFAULT_RECIPE, "compiled blocks on FP8 tensor cores"
+
+
+def _thresholds(linears, min_features, min_tokens) -> tuple[int, int]:
+    """The linears' (min_features, min_tokens): as given, else the auto choice's for linears="auto", 0 for a
+    recipe named (every layer of the blocks, low-bit at any batch). ValueError on a bad value."""
+    out = []
+    for name, value, auto_default in (("linears_min_features", min_features, LINEARS_MIN_FEATURES),
+                                      ("linears_min_tokens", min_tokens, LINEARS_MIN_TOKENS)):
+        if value is None:
+            value = auto_default if linears == AUTO else 0
+        elif isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"lpoptim.prepare: {name} is an int >= 0, got {value!r}")
+        out.append(int(value))
+    return out[0], out[1]
 
 
 def _check_cuda_graphs(compile, cuda: bool, activations, params, hf_checkpointing: bool) -> None:
@@ -407,6 +435,7 @@ def _check_cuda_graphs(compile, cuda: bool, activations, params, hf_checkpointin
 def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compile=AUTO, cuda_graphs=False,
          step_in_backward=AUTO, chunked_loss=AUTO, offload=AUTO, max_memory_gib: float | None = None,
          max_memory_fraction: float | None = None, tokens: int | None = None,
+         linears_min_features: int | None = None, linears_min_tokens: int | None = None,
          state_bits: int = 8, min_quant_numel: int = 4096, group_size: int = 128) -> Plan:
     """What ``prepare`` would do to ``model`` with these options, and why; changes nothing."""
     if not isinstance(model, nn.Module):
@@ -429,7 +458,7 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     if max_memory_gib is not None and not (_is_real(max_memory_gib) and max_memory_gib > 0):
         raise ValueError(f"lpoptim.prepare: max_memory_gib must be a positive number, got {max_memory_gib!r}")
     budget_name = "max_memory_gib" if max_memory_fraction is None else "max_memory_fraction"
-    good_tokens = isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0
+    good_tokens = isinstance(tokens, numbers.Integral) and not isinstance(tokens, bool) and tokens > 0
     if (max_memory_gib is not None or max_memory_fraction is not None) and not good_tokens:
         got = "" if tokens is None else f", got {tokens!r}"
         raise ValueError(f"lpoptim.prepare: {budget_name} needs tokens=, a positive int (batch x sequence length of "
@@ -451,7 +480,8 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
         raise ValueError(f"lpoptim.prepare: activations={activations!r}: {no_fp8}")
     reasons = {}
     # FSDP2 first: it refuses any budget, before a fraction is asked of the device
-    linears = _sharded_parts(model, name, params, linears,
+    min_features, min_tokens = _thresholds(linears, linears_min_features, linears_min_tokens)
+    linears = _sharded_parts(model, name, params, linears, min_features,
                              max_memory_gib is not None or max_memory_fraction is not None, reasons)
     budget_of = ""  # what the budget is, where it is a fraction of the device
     if max_memory_fraction is not None:
@@ -469,7 +499,7 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
         _check_cuda_graphs(compile, cuda, activations, params, _hf_checkpointing(hf))
     auto = linears == AUTO
     if auto:
-        linears, reasons["linears"] = auto_linears(bool(compile), fp8_cores, tokens, stack)
+        linears, reasons["linears"] = auto_linears(bool(compile), fp8_cores, tokens, stack, min_features, min_tokens)
     else:
         linears = linears or None
     if linears and not any(type(m) is nn.Linear for m in stack.modules()):  # GPT-2's Conv1D, say
@@ -525,8 +555,8 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
                   chunked_loss=bool(chunked_loss),
                   bf16_stochastic_round=bf16, use_cache_off=use_cache_off, state_bits=state_bits,
                   min_quant_numel=min_quant_numel, group_size=group_size, hf_checkpointing=_hf_checkpointing(hf),
-                  linears_min_features=LINEARS_MIN_FEATURES if auto and linears else 0,
-                  linears_min_tokens=LINEARS_MIN_TOKENS if auto and linears else 0, reasons=reasons, model=model)
+                  linears_min_features=min_features if linears else 0,
+                  linears_min_tokens=min_tokens if linears else 0, reasons=reasons, model=model)
     if bf16:
         reasons["bf16_stochastic_round"] = "bf16 parameters: no fp32 master copy"
     if max_memory_gib is None:
@@ -594,7 +624,8 @@ _ADAMW_OPTIONS = _keywords(AdamW.__init__, "self", "params", "lr") | frozenset(L
 def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, linears=AUTO, activations=AUTO,
             compile=AUTO, cuda_graphs: bool = False, step_in_backward=AUTO, chunked_loss=AUTO, offload=AUTO,
             max_memory_gib: float | None = None,
-            max_memory_fraction: float | None = None, tokens: int | None = None, verbose: bool = False,
+            max_memory_fraction: float | None = None, tokens: int | None = None,
+            linears_min_features: int | None = None, linears_min_tokens: int | None = None, verbose: bool = False,
             **optimizer_kwargs) -> AdamW:
     """Apply what pays to ``model`` (in place) and return its lpoptim.AdamW; the module docstring says what.
 
@@ -614,6 +645,7 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
                   cuda_graphs=cuda_graphs, step_in_backward=step_in_backward, chunked_loss=chunked_loss, offload=offload,
                   max_memory_gib=max_memory_gib,
                   max_memory_fraction=max_memory_fraction, tokens=tokens,
+                  linears_min_features=linears_min_features, linears_min_tokens=linears_min_tokens,
                   state_bits=optimizer_kwargs.get("state_bits", 8),
                   min_quant_numel=optimizer_kwargs.get("min_quant_numel", 4096),
                   group_size=optimizer_kwargs.get("group_size", 128))
@@ -628,10 +660,9 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
     mode = "reduce-overhead" if result.cuda_graphs else None  # torch.compile's, for CUDA graphs
     if result.linears:  # the blocks' layers, seen from the model (under FSDP2, which units hold them); as graphs,
         # the weight scale kept on the device (LowBitLinear says why only there)
-        in_blocks = _in_blocks(result.blocks)
         convert_linears(model, result.linears, previous_weight_scale=result.cuda_graphs,
                         min_tokens=result.linears_min_tokens,
-                        filter_fn=lambda m, fqn: in_blocks(m, fqn) and _wide(m, result.linears_min_features))
+                        filter_fn=_in_blocks(result.blocks, result.linears_min_features))
     wrapped = result.activations in ACTIVATIONS[1:]
     if wrapped:  # compiled, the wrapper calls each block's compiled forward (wrap.py: no graph break per call)
         result.handles.append(compress_activations(

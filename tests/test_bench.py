@@ -216,7 +216,8 @@ def test_bundled_hf_configs_load():
     pytest.importorskip("transformers")
     from lpoptim import bench
 
-    for name, layers, width in (("llama2-7b", 32, 4096), ("llama2-13b", 40, 5120)):
+    for name, layers, width in (("tinyllama-1.1b", 22, 2048), ("llama2-7b", 32, 4096), ("llama2-13b", 40, 5120),
+                                ("llama-26b", 48, 6656)):
         cfg = bench.load_hf_config(name)
         assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.use_cache) == ("llama", layers, width, False)
 

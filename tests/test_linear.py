@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from lpoptim.formats import E2M1
 from lpoptim.nn import LowBitLinear, convert_linears, converted, get_recipe, lowbit_linear
@@ -420,6 +421,15 @@ def test_min_tokens_runs_small_calls_as_nn_linear():
             assert torch.equal(a, b), shape
     x = torch.randn(2, 6, 64)
     assert not torch.equal(base(x), gated(x))  # 12 tokens: low-bit, which rounds
+
+    # an fp32 layer, a bf16 input, no autocast: the low-bit path takes it (out in x's dtype), and so does the
+    # nn.Linear path, which torch's own would refuse
+    for tokens in (8, 16):
+        x = torch.randn(tokens, 64, dtype=torch.bfloat16)
+        y = gated(x)
+        assert y.dtype == torch.bfloat16
+        if tokens < gated.min_tokens:
+            assert torch.equal(y, F.linear(x, base.weight.bfloat16(), base.bias.bfloat16()))
 
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 48))
     for bad in (-1, True, 1.5):

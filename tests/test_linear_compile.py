@@ -140,3 +140,12 @@ def test_min_tokens_under_compile():
         x = torch.randn(1, tokens, 64, requires_grad=True)
         like = lin if tokens < 40 else low
         assert torch.equal(run(x), like(x)), tokens
+    # prepare's default recipe with the weight scale kept on the device (as graphs): a small call leaves the state
+    torch._dynamo.reset()
+    delayed = LowBitLinear.from_linear(lin, "fp8_delayed")
+    delayed.previous_weight_scale, delayed.min_tokens = True, 40
+    run = torch.compile(delayed, backend="aot_eager")
+    run(torch.randn(1, 16, 64)).sum().backward()
+    assert not delayed.weight_amax_state.any()
+    run(torch.randn(1, 48, 64)).sum().backward()
+    assert delayed.weight_amax_state[0] != 0  # the low-bit call recorded W's absmax

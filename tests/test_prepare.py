@@ -709,62 +709,76 @@ def test_estimates_stay_above_the_measured_peaks():
             where = (os.path.basename(path), r["recipe"], est / 2**30, r["peak_bytes"] / 2**30)
             assert r["peak_bytes"] <= est <= r["peak_bytes"] + 2**30, where
             checked += 1
-    assert checked >= 18, checked
+    assert checked >= 33, checked
 
 
 def test_auto_linears_by_width_and_tokens(monkeypatch):
     """The auto choice of linears, where it converts (compiled blocks on FP8 tensor cores: pretended here, on the
-    CPU, with the thresholds scaled to a tiny model): only the blocks' layers at least LINEARS_MIN_FEATURES wide in
-    and out, each running a call of fewer than LINEARS_MIN_TOKENS tokens as nn.Linear does (the same loss and
+    CPU, with the thresholds scaled to a tiny model): only the blocks' layers at least linears_min_features wide in
+    and out, each running a call of fewer than linears_min_tokens tokens as nn.Linear does (the same loss and
     gradients as the unconverted model, bit for bit) and a larger call low-bit; none with tokens= under the
-    threshold or where no layer is that wide, nor eager or without FP8 cores. The estimate counts the layers as
-    nn.Linear below the threshold; a named recipe converts every layer, low-bit at any batch."""
+    threshold or where no layer is that wide, nor eager or without FP8 cores. Plan.options() makes the same plan
+    again with the recipe named; the estimate counts the layers as nn.Linear below the threshold, and the
+    narrow ones left out as nn.Linear always."""
+    import json
+
     import lpoptim.planner as planner
 
-    monkeypatch.setattr(planner, "LINEARS_MIN_FEATURES", 64)
-    monkeypatch.setattr(planner, "LINEARS_MIN_TOKENS", 40)
     real = planner.auto_linears
     base = _tiny_llama()
     stack = base.model.layers
-    assert real(False, True, None, stack)[0] is None and real(True, False, None, stack)[0] is None
-    assert real(True, True, 39, stack) == (None, "39 tokens a step: under 40, quantizing the weights costs more "
-                                                 "than the FP8 GEMMs save")
-    assert real(True, True, 40, stack)[0] == real(True, True, None, stack)[0] == "fp8_delayed"
-    monkeypatch.setattr(planner, "LINEARS_MIN_FEATURES", 256)
-    assert "no layer of the blocks is 256 wide" in real(True, True, None, stack)[1]
-    monkeypatch.setattr(planner, "LINEARS_MIN_FEATURES", 64)
+    assert real(False, True, None, stack, 64, 40)[0] is None and real(True, False, None, stack, 64, 40)[0] is None
+    assert real(True, True, 39, stack, 64, 40) == (None, "39 tokens a step: under 40, quantizing the weights costs "
+                                                         "more than the FP8 GEMMs save")
+    assert real(True, True, 40, stack, 64, 40)[0] == real(True, True, None, stack, 64, 40)[0] == "fp8_delayed"
+    assert "no layer of the blocks is 256 wide" in real(True, True, None, stack, 256, 40)[1]
 
-    monkeypatch.setattr(planner, "auto_linears", lambda compiled, fp8_cores, tokens, stack: real(
-        True, True, tokens, stack))
+    # the defaults, scaled down; auto as on an H100
+    monkeypatch.setattr(planner, "LINEARS_MIN_FEATURES", 64)
+    monkeypatch.setattr(planner, "LINEARS_MIN_TOKENS", 40)
+    monkeypatch.setattr(planner, "auto_linears", lambda compiled, fp8_cores, *a: real(True, True, *a))
     model = copy.deepcopy(base)
     opt = prepare(model, lr=1e-3, compile=False, step_in_backward=False, chunked_loss=False)
     p = opt.plan
     assert (p.linears, p.linears_min_features, p.linears_min_tokens) == ("fp8_delayed", 64, 40)
-    assert "fp8_delayed where 64 wide in and out, bf16 under 40 tokens a call" in p.summary()
-    low = {n.split("layers.0.")[1] for n, m in model.named_modules() if isinstance(m, LowBitLinear)
-           and "layers.0." in n}
-    assert low == {"self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
-    assert all(m.min_tokens == 40 for m in model.modules() if isinstance(m, LowBitLinear))
+    assert "fp8_delayed, where 64 wide in and out, nn.Linear under 40 tokens a call" in p.summary()
+    wide = {"self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}  # k, v: 32 out
+
+    def low_bit(m):
+        return {n.split("layers.0.")[1]: l.min_tokens for n, l in m.named_modules()
+                if isinstance(l, LowBitLinear) and "layers.0." in n}
+
+    assert low_bit(model) == dict.fromkeys(wide, 40)
     small, large = _batch("llama", 16), _batch("llama", 24)  # 32 and 48 tokens a step
     for batch, same in ((small, True), (large, False)):
         ref, got = _run(base, **batch), _run(model, **batch)
         assert torch.equal(ref[0].loss, got[0].loss) == same
         assert all(torch.equal(ref[1][n], got[1][n]) for n in ref[1]) == same
-    tokens = 32
-    named = plan(base, linears="fp8_delayed", compile=False, tokens=tokens, step_in_backward=False,
-                 chunked_loss=False)
+
+    options = json.loads(json.dumps(p.options()))
+    assert options["linears"] == "fp8_delayed"
+    again = prepare(copy.deepcopy(base), lr=1e-3, **options)
+    assert again.plan.options() == p.options() and low_bit(again.plan.model) == low_bit(model)
+    narrower = prepare(copy.deepcopy(base), lr=1e-3, compile=False, linears_min_features=0, linears_min_tokens=0)
+    assert low_bit(narrower.plan.model) == dict.fromkeys(wide | {"self_attn.k_proj", "self_attn.v_proj"}, 0)
+    named = plan(base, linears="fp8_delayed", compile=False, step_in_backward=False, chunked_loss=False)
     assert (named.linears_min_features, named.linears_min_tokens) == (0, 0)
-    # compiled, the step in backward (the estimate of eager FP8 linears is nn.Linear's; without the step in
-    # backward, the gradients outweigh this model's activations)
-    auto, named = (replace(c, compile=True, step_in_backward=True) for c in (p, named))
-    unconverted = replace(named, linears=None)
-    for t in (tokens, 48):
-        low, high = (estimate_peak_bytes(base, stack, c, t) for c in (named, unconverted))
-        assert low < high and estimate_peak_bytes(base, stack, auto, t) == (high if t < 40 else low)
-    assert plan(base, compile=False, tokens=tokens).linears is None  # under the threshold: nothing converted
+    assert plan(base, compile=False, tokens=32).linears is None  # under the threshold: nothing converted
     for bad in (0, -5, True, 2.0):
         with pytest.raises(ValueError, match="tokens"):
             plan(base, compile=False, tokens=bad)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="linears_min_tokens"):
+            plan(base, compile=False, linears_min_tokens=bad)
+
+    # the estimate, compiled and with the step in backward (eager FP8 linears save what nn.Linear saves; without
+    # the step in backward this model's gradients outweigh its activations)
+    auto, named = (replace(c, compile=True, step_in_backward=True) for c in (p, named))
+    unconverted = replace(named, linears=None)
+    for t in (32, 48):
+        low, high = (estimate_peak_bytes(base, stack, c, t) for c in (named, unconverted))
+        est = estimate_peak_bytes(base, stack, auto, t)
+        assert low < high and (est == high if t < 40 else low < est < high)  # k, v: nn.Linear
 
 
 def test_plan_options_make_the_same_plan_again():

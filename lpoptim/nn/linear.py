@@ -34,10 +34,12 @@ class LowBitLinear(nn.Linear):
     # pays (prepare(cuda_graphs=True) sets it). Not with recompute (activation checkpointing): the recomputed
     # forward would take the scale the first one left, not the one it took.
     previous_weight_scale = False
-    # Inputs of fewer tokens (rows) than this run nn.Linear's own forward (bf16 GEMMs under autocast): W is quantized
+    # Inputs of fewer tokens (rows) than this run nn.Linear's own forward (bf16 GEMMs under autocast; W cast to x's
+    # dtype without autocast, as the low-bit path takes mixed dtypes where nn.Linear raises): W is quantized
     # (read, cast, and cast again transposed for backward) once per call whatever the number of tokens, while the
     # GEMMs' savings grow with it, so a small batch pays more than it saves. 0: every call low-bit (convert_linears'
-    # default); lpoptim.prepare sets it where it chose the layers itself (planner.py says what was measured).
+    # default); lpoptim.prepare sets its linears_min_tokens (by default where it chose the layers itself:
+    # planner.py says what was measured).
     min_tokens = 0
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
@@ -133,7 +135,10 @@ class LowBitLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.min_tokens and x.numel() < self.min_tokens * self.in_features:  # a shape test: no guard on values
-            return F.linear(x, self.weight, self.bias)
+            w, b = self.weight, self.bias
+            if w.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):  # as the low-bit path takes it:
+                w, b = w.to(x.dtype), None if b is None else b.to(x.dtype)  # out in x's dtype (nn.Linear raises)
+            return F.linear(x, w, b)
         return lowbit_linear(x, self.weight, self.bias, self.recipe, histories=self._histories(),
                              weight_state=self.weight_amax_state if self.training and self.previous_weight_scale
                              else None)
