@@ -21,9 +21,9 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
   forward's batch x sequence length on this device) runs nn.Linear's own forward (``LowBitLinear.min_tokens``): a
   weight's quantization costs the same at any batch, the GEMMs' savings shrink with it and with the width. Auto
   uses ``LINEARS_MIN_FEATURES`` and ``LINEARS_MIN_TOKENS`` (measured: below), and converts none with ``tokens``
-  under the latter; a recipe named uses 0 and 0 (every layer of the blocks, low-bit at any batch) unless given. On a GPU without FP8
-  conversions (compute capability below 8.9: lpoptim/device.py) FP8 activations and low-bit linears are left
-  out, and refused (ValueError, before any change) where asked for.
+  under the latter; a recipe named uses 0 and 0 (every layer of the blocks, low-bit at any batch) unless given.
+  On a GPU without FP8 conversions (compute capability below 8.9: lpoptim/device.py) FP8 activations and low-bit
+  linears are left out, and refused (ValueError, before any change) where asked for.
 - ``activations``: "fp8" (what the blocks save for backward kept in FP8, attention's q, k, v and output as they
   are), "fp8_attention" (those in FP8 too: ``compress_activations(attention="fp8")``), "recompute" (only each
   block's input kept, in FP8; blocks recomputed in backward), a number in (0, 1) (compiled blocks only: Inductor
@@ -505,6 +505,9 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     if linears and not any(type(m) is nn.Linear for m in stack.modules()):  # GPT-2's Conv1D, say
         linears = None
         reasons["linears"] = "the blocks hold no nn.Linear"
+    elif linears and not any(type(m) is nn.Linear and _wide(m, min_features) for m in stack.modules()):
+        linears = None
+        reasons["linears"] = f"no nn.Linear of the blocks is linears_min_features={min_features:,} wide in and out"
     if linears and no_fp8:
         raise ValueError(f"lpoptim.prepare: linears={linears!r}: {no_fp8}")
     if _ddp(model) is not None:  # DDP all-reduces the gradients while backward ends: a step inside it would come first

@@ -763,6 +763,8 @@ def test_auto_linears_by_width_and_tokens(monkeypatch):
     assert low_bit(narrower.plan.model) == dict.fromkeys(wide | {"self_attn.k_proj", "self_attn.v_proj"}, 0)
     named = plan(base, linears="fp8_delayed", compile=False, step_in_backward=False, chunked_loss=False)
     assert (named.linears_min_features, named.linears_min_tokens) == (0, 0)
+    too_wide = plan(base, linears="fp8_delayed", compile=False, linears_min_features=256)
+    assert too_wide.linears is None and "linears_min_features=256" in too_wide.reasons["linears"]
     assert plan(base, compile=False, tokens=32).linears is None  # under the threshold: nothing converted
     for bad in (0, -5, True, 2.0):
         with pytest.raises(ValueError, match="tokens"):
