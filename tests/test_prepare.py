@@ -709,7 +709,7 @@ def test_estimates_stay_above_the_measured_peaks():
             where = (os.path.basename(path), r["recipe"], est / 2**30, r["peak_bytes"] / 2**30)
             assert r["peak_bytes"] <= est <= r["peak_bytes"] + 2**30, where
             checked += 1
-    assert checked >= 35, checked
+    assert checked >= 34, checked
 
 
 def test_auto_linears_by_width_and_tokens(monkeypatch):
