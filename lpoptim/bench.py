@@ -403,6 +403,7 @@ def _run_stack(stack: Stack, cfg, batch: int, seq: int, steps: int, warmup: int,
                 peak_kind="reserved" if stack.cuda_graphs else "allocated" if cuda else "estimate",
                 **{f"{k}_bytes": None if mem[k] is None else int(mem[k]) for k in PARTS}, params=n_params,
                 state_bytes_per_param=mem["states"] / n_params, step_seconds=seconds,
+                step_seconds_each=times,  # the spread the median hides
                 tokens_per_s=batch * seq / seconds, loss=float(losses[-1]), first_step_seconds=first_step, **info)
 
 

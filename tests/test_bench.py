@@ -24,6 +24,7 @@ def test_bench_tiny_cpu(tmp_path, capsys):
                 assert r[key] == 0
                 continue
             assert r[key] > 0, (name, key)
+        assert len(r["step_seconds_each"]) == 1 and r["step_seconds"] == r["step_seconds_each"][0] > 0
     for name in ("bnb", "torchao"):  # CUDA-only competitors: skipped on the CPU, with the reason
         assert rows[name].get("skipped") or rows[name].get("tokens_per_s", 0) > 0
     ratio = rows["lpoptim"]["states_bytes"] / rows["torch"]["states_bytes"]
