@@ -144,8 +144,8 @@ class Plan:
 
     def options(self) -> dict:
         """The ``plan()`` / ``prepare()`` keyword arguments that choose what this plan chose (no budget needed):
-        what ``lpoptim bench`` records beside the summary, so that a file's plan can be made again (at its tokens: a
-        named recipe runs low-bit at any batch, where the auto choice runs small ones in bf16)."""
+        what ``lpoptim bench`` records beside the summary, so that a file's plan can be made again (an auto choice of
+        linears as its recipe named with the thresholds it took)."""
         return dict(blocks=self.blocks, linears=self.linears, linears_min_features=self.linears_min_features,
                     linears_min_tokens=self.linears_min_tokens, activations=self.activations, compile=self.compile,
                     cuda_graphs=self.cuda_graphs, step_in_backward=self.step_in_backward, chunked_loss=self.chunked_loss,
