@@ -10,11 +10,12 @@ with FP8 activations eager, x 0.5 with FP8 activations and FP8 linears eager; co
 activations, x 0.75 with FP8 linears, x 0.55 with both (FP8 linears' factors for the share of the
 linear inputs that low-bit layers take: those a width threshold converts, none under a token threshold);
 attention's q, k, v and output packed too (FP8 per row: half their bf16 bytes) save half of those; with
-recompute, one FP8 block input per block and one block's activations while it is replayed; with k of n blocks offloaded to host memory, (n - k + 1) / n of them
-(one block fetched back ahead). The LM head and loss: about 10 bytes per logit (the logits, their fp32
-copy and softmax's gradient), or with the chunked loss the hidden states' gradient, the head's weight gradient and
-the smaller of the logits' gradient and an fp32 sum of the weight's. Then 1.2% for the allocator. On HF Llama
-shapes of 7B, 13B and 26B (1 x 1024 to 4 x 2048, 33 stacks, eager and compiled, FP8 and 4-bit states:
+recompute, one FP8 block input per block and one block's activations while it is replayed; with k of n blocks
+offloaded to host memory, (n - k + 1) / n of them (one block fetched back ahead). The LM head and loss: about
+10 bytes per logit (the logits, their fp32 copy and softmax's gradient), or with the chunked loss the hidden
+states' gradient, the head's weight gradient and the smaller of the logits' gradient and an fp32 sum of the
+weight's. Then 1.2% for the allocator. On HF Llama
+shapes of 7B, 13B and 26B (1 x 1024 to 4 x 2048, 34 stacks, eager and compiled, FP8 and 4-bit states:
 docs/results/hf_*.json) the estimate lay 0.03-0.93 GiB above the measured peak, never below it; on other shapes,
 treat it as an estimate: ``lpoptim bench --hf-config`` measures the real peak.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .nn.convert import is_wide
 from .nn.linear_cross_entropy import keeps_logits_grad
 from .quant import num_groups, packed_shape
 
@@ -66,7 +68,7 @@ def low_bit_share(block: nn.Module, plan, tokens: int) -> float:
         return 0.0
     layers = [m for m in block.modules() if isinstance(m, nn.Linear)]
     total = sum(m.in_features for m in layers)
-    wide = sum(m.in_features for m in layers if min(m.in_features, m.out_features) >= plan.linears_min_features)
+    wide = sum(m.in_features for m in layers if is_wide(m, plan.linears_min_features))
     return wide / total if total else 0.0
 
 

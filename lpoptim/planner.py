@@ -87,7 +87,7 @@ from .activations.offload import offload_activations
 from .device import fp8_device_problem
 from .memory import estimate_peak_bytes
 from .nn import LowBitLinear, convert_linears
-from .nn.convert import conversion_targets, is_fsdp_unit
+from .nn.convert import conversion_targets, has_wide_linear, is_fsdp_unit, is_wide
 from .nn.causal_lm_loss import chunk_causal_lm_loss, restore_causal_lm_loss, why_not
 from .nn.recipes import DEFAULT_RECIPE, RECIPES
 from .optim import AdamW
@@ -297,11 +297,11 @@ def _module_class(module: nn.Module) -> type:
     return cls.__bases__[-1] if is_fsdp_unit(module) and len(cls.__bases__) == 2 else cls
 
 
-def _in_blocks(stack_name: str, min_features: int = 0):
+def _in_blocks(stack_name: str, min_features: int):
     """convert_linears' filter for the layers inside the blocks (``stack_name``: their ModuleList in the model) at
     least ``min_features`` wide in and out."""
     prefix = stack_name + "." if stack_name else ""  # "": the model is the stack
-    return lambda module, fqn: fqn.startswith(prefix) and _wide(module, min_features)
+    return lambda module, fqn: fqn.startswith(prefix) and is_wide(module, min_features)
 
 
 def _sharded_parts(model: nn.Module, stack_name: str, params, linears, min_features: int, has_budget: bool,
@@ -372,10 +372,6 @@ def device_memory_gib(device: torch.device) -> float:
     return torch.cuda.get_device_properties(device).total_memory * cap / 2**30
 
 
-def _wide(module: nn.Module, features: int) -> bool:
-    return not features or min(module.in_features, module.out_features) >= features
-
-
 def auto_linears(compiled: bool, fp8_cores: bool, tokens: int | None, stack: nn.Module, min_features: int,
                  min_tokens: int) -> tuple[str | None, str]:
     """The auto choice of linears, for layers at least ``min_features`` wide from ``min_tokens`` tokens a call:
@@ -387,7 +383,7 @@ def auto_linears(compiled: bool, fp8_cores: bool, tokens: int | None, stack: nn.
     if tokens is not None and tokens < min_tokens:
         return None, (f"{tokens:,} tokens a step: under {min_tokens:,}, quantizing the weights costs more than the FP8 "
                       "GEMMs save")
-    if not any(type(m) is nn.Linear and _wide(m, min_features) for m in stack.modules()):
+    if not has_wide_linear(stack, min_features):
         if any(isinstance(m, LowBitLinear) for m in stack.modules()):
             return None, "the blocks' layers are low-bit already"
         return None, (f"no layer of the blocks is {min_features:,} wide in and out (narrower ones were slower in FP8 "
@@ -497,15 +493,14 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     hf = _unwrapped(model)
     if cuda_graphs:
         _check_cuda_graphs(compile, cuda, activations, params, _hf_checkpointing(hf))
-    auto = linears == AUTO
-    if auto:
+    if linears == AUTO:
         linears, reasons["linears"] = auto_linears(bool(compile), fp8_cores, tokens, stack, min_features, min_tokens)
     else:
         linears = linears or None
-    if linears and not any(type(m) is nn.Linear for m in stack.modules()):  # GPT-2's Conv1D, say
+    if linears and not has_wide_linear(stack, 0):  # GPT-2's Conv1D, say
         linears = None
         reasons["linears"] = "the blocks hold no nn.Linear"
-    elif linears and not any(type(m) is nn.Linear and _wide(m, min_features) for m in stack.modules()):
+    elif linears and not has_wide_linear(stack, min_features):
         linears = None
         reasons["linears"] = f"no nn.Linear of the blocks is linears_min_features={min_features:,} wide in and out"
     if linears and no_fp8:

@@ -1,6 +1,7 @@
 """convert_linears: swap a model's nn.Linear modules for low-bit ones, in place."""
 from __future__ import annotations
 
+import numbers
 import warnings
 from typing import Callable
 
@@ -17,6 +18,17 @@ DEFAULT_SKIP = ("lm_head", "output", "head", "classifier", "score")
 
 def _embedding_weights(model: nn.Module) -> set[int]:
     return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+
+
+def is_wide(linear: nn.Linear, features: int) -> bool:
+    """Whether ``linear`` is at least ``features`` wide in and out (0: any): the width threshold of the layers
+    lpoptim.prepare converts, and of what its memory estimate counts as low-bit."""
+    return min(linear.in_features, linear.out_features) >= features
+
+
+def has_wide_linear(module: nn.Module, features: int) -> bool:
+    """Whether ``module`` holds an nn.Linear not yet converted (exactly that type) at least ``features`` wide."""
+    return any(type(m) is nn.Linear and is_wide(m, features) for m in module.modules())
 
 
 def is_fsdp_unit(module: nn.Module) -> bool:
@@ -97,7 +109,7 @@ def convert_linears(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *,
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_linears takes an nn.Module, got {type(model).__name__}")
     recipe = get_recipe(recipe, **recipe_overrides)  # TypeError / ValueError before anything is touched
-    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, numbers.Integral) or min_tokens < 0:
         raise ValueError(f"convert_linears: min_tokens is an int >= 0, got {min_tokens!r}")
     cls = module_class(recipe)
     try:  # every layer checked before any changes
@@ -119,7 +131,7 @@ def convert_linears(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *,
             layer = cls.from_linear(linear, recipe)
             setattr(parent, child, layer)
         layer.previous_weight_scale = previous_weight_scale
-        layer.min_tokens = min_tokens
+        layer.min_tokens = int(min_tokens)
     return model
 
 
