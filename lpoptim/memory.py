@@ -16,8 +16,9 @@ offloaded to host memory, (n - k + 1) / n of them (one block fetched back ahead)
 states' gradient, the head's weight gradient and the smaller of the logits' gradient and an fp32 sum of the
 weight's. Then 1.2% for the allocator. On HF Llama
 shapes of 7B, 13B and 26B (1 x 1024 to 4 x 2048, 34 stacks, eager and compiled, FP8 and 4-bit states:
-docs/results/hf_*.json) the estimate lay 0.03-0.93 GiB above the measured peak, never below it; on other shapes,
-treat it as an estimate: ``lpoptim bench --hf-config`` measures the real peak.
+docs/results/hf_llama*.json) the estimate lay 0.03-0.93 GiB above the measured peak, never below it; on
+Qwen2.5-7B's (six stacks, not calibrated on) 0.56-1.44 GiB above. On other shapes treat it as an estimate:
+``lpoptim bench --hf-config`` measures the real peak.
 """
 from __future__ import annotations
 

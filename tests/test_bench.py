@@ -217,10 +217,35 @@ def test_bundled_hf_configs_load():
     pytest.importorskip("transformers")
     from lpoptim import bench
 
-    for name, layers, width in (("tinyllama-1.1b", 22, 2048), ("llama2-7b", 32, 4096), ("llama2-13b", 40, 5120),
-                                ("llama-26b", 48, 6656)):
+    for name, kind, layers, width in (("tinyllama-1.1b", "llama", 22, 2048), ("llama3.2-3b", "llama", 28, 3072),
+                                      ("llama2-7b", "llama", 32, 4096), ("qwen2.5-7b", "qwen2", 28, 3584),
+                                      ("llama2-13b", "llama", 40, 5120), ("llama-26b", "llama", 48, 6656)):
         cfg = bench.load_hf_config(name)
-        assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.use_cache) == ("llama", layers, width, False)
+        assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.use_cache) == (kind, layers, width, False)
+
+
+def test_auto_linears_width_on_the_bundled_configs():
+    """Which layers of a block prepare's auto width threshold converts, on the shapes it was measured on
+    (docs/prepare.md): none at 2048 and 3072 wide, all but GQA's narrow k and v at 3584, all at 4096."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from lpoptim import bench, planner
+    from lpoptim.nn.convert import is_wide
+
+    expected = {"tinyllama-1.1b": set(), "llama3.2-3b": set(),
+                "qwen2.5-7b": {"q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"},
+                "llama2-7b": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}}
+    for name, wide in expected.items():
+        cfg = bench.load_hf_config(name)
+        cfg.num_hidden_layers = 1
+        with torch.device("meta"):
+            block = AutoModelForCausalLM.from_config(cfg).model.layers[0]
+        got = {n.rsplit(".", 1)[-1] for n, m in block.named_modules()
+               if isinstance(m, torch.nn.Linear) and is_wide(m, planner.LINEARS_MIN_FEATURES)}
+        assert got == wide, name
 
 
 def test_four_bit_states_part():

@@ -677,9 +677,10 @@ def _summary_options(summary: str) -> dict:
 
 def test_estimates_stay_above_the_measured_peaks():
     """The budget relies on the estimate not falling below the real peak. Every lpoptim stack of the HF bench files
-    (docs/results/hf_*.json: 7B, 13B and 26.1 B Llama shapes on an H100, 1 x 2048 and 4 x 2048, eager and compiled,
-    FP8 and 4-bit states) is estimated again by this code from the plan the file records, on a model built on the
-    meta device: at or above its measured peak, and within 1 GiB of it."""
+    (docs/results/hf_*.json: 7B, 13B and 26.1 B Llama shapes and Qwen2.5-7B's on an H100, 1 x 1024 to 4 x 2048,
+    eager and compiled, FP8 and 4-bit states) is estimated again by this code from the plan the file records, on a
+    model built on the meta device: at or above its measured peak, and within 1 GiB of it on the Llama shapes its
+    activation model was calibrated on, 1.5 GiB on Qwen2.5-7B's (its wider MLP saves more with FP8 linears)."""
     import glob
     import json
 
@@ -707,9 +708,10 @@ def test_estimates_stay_above_the_measured_peaks():
             p = replace(plan(model, **options), offload_blocks=offload or 0)
             est = estimate_peak_bytes(model, model.get_submodule(p.blocks), p, tokens)
             where = (os.path.basename(path), r["recipe"], est / 2**30, r["peak_bytes"] / 2**30)
-            assert r["peak_bytes"] <= est <= r["peak_bytes"] + 2**30, where
+            slack = 2**30 if "llama" in os.path.basename(path) else 1.5 * 2**30
+            assert r["peak_bytes"] <= est <= r["peak_bytes"] + slack, where
             checked += 1
-    assert checked >= 34, checked
+    assert checked >= 40, checked
 
 
 def test_auto_linears_by_width_and_tokens(monkeypatch):
