@@ -16,8 +16,9 @@ offloaded to host memory, (n - k + 1) / n of them (one block fetched back ahead)
 states' gradient, the head's weight gradient and the smaller of the logits' gradient and an fp32 sum of the
 weight's. Then 1.2% for the allocator. On HF Llama
 shapes of 7B, 13B and 26B (1 x 1024 to 4 x 2048, 34 stacks, eager and compiled, FP8 and 4-bit states:
-docs/results/hf_llama*.json) the estimate lay 0.03-0.93 GiB above the measured peak, never below it; on
-Qwen2.5-7B's (six stacks, not calibrated on) 0.56-1.44 GiB above. On other shapes treat it as an estimate:
+docs/results/hf_llama2*.json, hf_llama_26b*.json) the estimate lay 0.03-0.93 GiB above the measured peak, never
+below it; on grouped-query shapes it was not calibrated on (Llama-3-8B, Qwen2.5-7B: 12 stacks) 0.56-1.99 GiB
+above. On other shapes treat it as an estimate:
 ``lpoptim bench --hf-config`` measures the real peak.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .nn.convert import is_wide
+from .nn.convert import wide_linears
 from .nn.linear_cross_entropy import keeps_logits_grad
 from .quant import num_groups, packed_shape
 
@@ -69,7 +70,7 @@ def low_bit_share(block: nn.Module, plan, tokens: int) -> float:
         return 0.0
     layers = [m for m in block.modules() if isinstance(m, nn.Linear)]
     total = sum(m.in_features for m in layers)
-    wide = sum(m.in_features for m in layers if is_wide(m, plan.linears_min_features))
+    wide = sum(m.in_features for m in wide_linears(block, plan.linears_min_features))
     return wide / total if total else 0.0
 
 

@@ -17,7 +17,8 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
 - ``linears``: the blocks' nn.Linear layers run their GEMMs in FP8 (a ``convert_linears`` recipe). Auto: the
   default recipe where the blocks are compiled on a GPU with FP8 tensor cores (compute capability >= 8.9), none
   elsewhere: eager FP8 linears spend more host time quantizing than their GEMMs save. ``linears_min_features``:
-  only layers at least that wide in and out are converted; ``linears_min_tokens``: a call of fewer tokens (one
+  only layers that wide (nn.convert.wide_linears: in and out, or 512 out beside such a layer, as GQA's k and v) are
+  converted; ``linears_min_tokens``: a call of fewer tokens (one
   forward's batch x sequence length on this device) runs nn.Linear's own forward (``LowBitLinear.min_tokens``): a
   weight's quantization costs the same at any batch, the GEMMs' savings shrink with it and with the width. Auto
   uses ``LINEARS_MIN_FEATURES`` and ``LINEARS_MIN_TOKENS`` (measured: below), and converts none with ``tokens``
@@ -87,7 +88,7 @@ from .activations.offload import offload_activations
 from .device import fp8_device_problem
 from .memory import estimate_peak_bytes
 from .nn import LowBitLinear, convert_linears
-from .nn.convert import conversion_targets, has_wide_linear, is_fsdp_unit, is_wide
+from .nn.convert import conversion_targets, has_wide_linear, is_fsdp_unit, wide_linears, width_label
 from .nn.causal_lm_loss import chunk_causal_lm_loss, restore_causal_lm_loss, why_not
 from .nn.recipes import DEFAULT_RECIPE, RECIPES
 from .optim import AdamW
@@ -102,13 +103,14 @@ AUTO_BUDGETS = (0.5, 0.3)  # the activation budgets the auto ladder tries on com
 # max_memory_gib=54: 28 of 40 blocks, 6.2 GiB a step each way, 6,693 tokens/s
 # (docs/results/hf_llama2_13b_budget54_h100.json) against 7,200 without (hf_llama2_13b_h100.json, an older run)
 MAX_OFFLOAD_FRACTION = 0.7
-# The auto choice of linears converts the blocks' layers of at least LINEARS_MIN_FEATURES in and out features, and
-# runs them low-bit from LINEARS_MIN_TOKENS tokens a call (LowBitLinear.min_tokens): a weight is quantized once a
-# call whatever the tokens, and narrow GEMMs gain little from FP8. HF shapes, compiled blocks, step in backward, one
-# H100, tokens/s of FP8 linears (every layer of the blocks) against the same step's bf16 GEMMs (docs/prepare.md):
-# width 4096 (Llama-2-7B) 0.91x at 1 x 1024 tokens, 1.03x at 1 x 1536, 1.13x at 1 x 2048; width 3584 (Qwen2.5-7B)
-# 1.06x at 1 x 1536, 1.13x at 1 x 2048; width 3072 (Llama-3.2-3B) 0.99-1.02x at 1 x 2048; width 2048 (TinyLlama-1.1B) 0.65x at
-# 1 x 2048, 0.69x at 1 x 4096.
+# The auto choice of linears converts the blocks' layers at least LINEARS_MIN_FEATURES wide (nn.convert.wide_linears:
+# in and out, or 512 out beside such a layer), and runs them low-bit from LINEARS_MIN_TOKENS tokens a call
+# (LowBitLinear.min_tokens): a weight is quantized once a call whatever the tokens, and narrow GEMMs gain little from
+# FP8. HF shapes, compiled blocks, step in backward, one H100, tokens/s of FP8 linears (every layer of the blocks)
+# against the same step's bf16 GEMMs (docs/prepare.md): width 4096 (Llama-2-7B) 0.91x at 1 x 1024 tokens, 1.03x at
+# 1 x 1536, 1.13x at 1 x 2048; 4096 (Llama-3-8B) 1.05x at 1 x 1536, 1.09x at 1 x 2048; 3584 (Qwen2.5-7B) 1.05x at
+# 1 x 1536, 1.07x at 1 x 2048; 3072 (Llama-3.2-3B) 0.99-1.02x at 1 x 2048; 2048 (TinyLlama-1.1B) 0.65x at 1 x 2048,
+# 0.69x at 1 x 4096.
 LINEARS_MIN_FEATURES = 3584
 LINEARS_MIN_TOKENS = 1536
 
@@ -131,7 +133,7 @@ class Plan:
     offload_blocks: int = 0  # the first that many blocks' saved activations in host memory (offload_activations)
     group_size: int = 128
     hf_checkpointing: bool = False  # the model's own gradient checkpointing is on (the estimate counts it)
-    # linears chosen by prepare (0 where named): only layers this wide in and out, in bf16 under these tokens a call
+    # linears chosen by prepare (0 where named): only layers this wide (wide_linears), in bf16 under these tokens a call
     linears_min_features: int = 0
     linears_min_tokens: int = 0
     reasons: dict = field(default_factory=dict)  # part -> why it is what it is
@@ -155,7 +157,7 @@ class Plan:
 
     @property
     def linears_label(self) -> str:
-        where = [f"where {self.linears_min_features:,} wide in and out"] if self.linears_min_features else []
+        where = [f"where {width_label(self.linears_min_features)}"] if self.linears_min_features else []
         if self.linears_min_tokens:
             where.append(f"nn.Linear under {self.linears_min_tokens:,} tokens a call")
         return ", ".join([self.linears, *where]) if self.linears else "unchanged"
@@ -298,11 +300,12 @@ def _module_class(module: nn.Module) -> type:
     return cls.__bases__[-1] if is_fsdp_unit(module) and len(cls.__bases__) == 2 else cls
 
 
-def _in_blocks(stack_name: str, min_features: int):
-    """convert_linears' filter for the layers inside the blocks (``stack_name``: their ModuleList in the model) at
-    least ``min_features`` wide in and out."""
+def _in_blocks(model: nn.Module, stack_name: str, min_features: int):
+    """convert_linears' filter for the layers inside the blocks (``stack_name``: their ModuleList in the model) that
+    the width threshold ``min_features`` takes (wide_linears)."""
     prefix = stack_name + "." if stack_name else ""  # "": the model is the stack
-    return lambda module, fqn: fqn.startswith(prefix) and is_wide(module, min_features)
+    taken = {id(m) for m in wide_linears(model.get_submodule(stack_name), min_features)}
+    return lambda module, fqn: fqn.startswith(prefix) and id(module) in taken
 
 
 def _sharded_parts(model: nn.Module, stack_name: str, params, linears, min_features: int, has_budget: bool,
@@ -323,7 +326,7 @@ def _sharded_parts(model: nn.Module, stack_name: str, params, linears, min_featu
                          "activations=")
     if linears not in (None, False):
         try:  # the layers prepare would convert (as it converts them)
-            conversion_targets(model, _in_blocks(stack_name, min_features))
+            conversion_targets(model, _in_blocks(model, stack_name, min_features))
         except ValueError as e:
             if linears != AUTO:
                 raise ValueError(f"lpoptim.prepare: linears={linears!r}: {e}") from None
@@ -387,7 +390,7 @@ def auto_linears(compiled: bool, fp8_cores: bool, tokens: int | None, stack: nn.
     if not has_wide_linear(stack, min_features):
         if any(isinstance(m, LowBitLinear) for m in stack.modules()):
             return None, "the blocks' layers are low-bit already"
-        return None, (f"no layer of the blocks is {min_features:,} wide in and out (narrower ones were slower in FP8 "
+        return None, (f"no layer of the blocks is {width_label(min_features)} (narrower ones were slower in FP8 "
                       "where measured: docs/prepare.md)")
     return DEFAULT_RECIPE, "compiled blocks on FP8 tensor cores"
 
@@ -503,7 +506,8 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
         reasons["linears"] = "the blocks hold no nn.Linear"
     elif linears and not has_wide_linear(stack, min_features):
         linears = None
-        reasons["linears"] = f"no nn.Linear of the blocks is linears_min_features={min_features:,} wide in and out"
+        reasons["linears"] = (f"no nn.Linear of the blocks is linears_min_features={min_features:,} wide "
+                             f"({width_label(min_features)})")
     if linears and no_fp8:
         raise ValueError(f"lpoptim.prepare: linears={linears!r}: {no_fp8}")
     if _ddp(model) is not None:  # DDP all-reduces the gradients while backward ends: a step inside it would come first
@@ -661,7 +665,7 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
         # the weight scale kept on the device (LowBitLinear says why only there)
         convert_linears(model, result.linears, previous_weight_scale=result.cuda_graphs,
                         min_tokens=result.linears_min_tokens,
-                        filter_fn=_in_blocks(result.blocks, result.linears_min_features))
+                        filter_fn=_in_blocks(model, result.blocks, result.linears_min_features))
     wrapped = result.activations in ACTIVATIONS[1:]
     if wrapped:  # compiled, the wrapper calls each block's compiled forward (wrap.py: no graph break per call)
         result.handles.append(compress_activations(

@@ -218,7 +218,8 @@ def test_bundled_hf_configs_load():
     from lpoptim import bench
 
     for name, kind, layers, width in (("tinyllama-1.1b", "llama", 22, 2048), ("llama3.2-3b", "llama", 28, 3072),
-                                      ("llama2-7b", "llama", 32, 4096), ("qwen2.5-7b", "qwen2", 28, 3584),
+                                      ("llama2-7b", "llama", 32, 4096), ("llama3-8b", "llama", 32, 4096),
+                                      ("qwen2.5-7b", "qwen2", 28, 3584),
                                       ("llama2-13b", "llama", 40, 5120), ("llama-26b", "llama", 48, 6656)):
         cfg = bench.load_hf_config(name)
         assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.use_cache) == (kind, layers, width, False)
@@ -226,26 +227,34 @@ def test_bundled_hf_configs_load():
 
 def test_auto_linears_width_on_the_bundled_configs():
     """Which layers of a block prepare's auto width threshold converts, on the shapes it was measured on
-    (docs/prepare.md): none at 2048 and 3072 wide, all but GQA's narrow k and v at 3584, all at 4096."""
+    (docs/prepare.md): none at 2048 and 3072 wide, all from 3584 (grouped-query attention's k and v, 512 and 1024
+    wide out, included: they read q's input), and neither a mixture-of-experts router (8 out) nor a narrow model's
+    down projection (wide in, narrow out, reading no wide layer's input)."""
     import pytest
 
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM
 
     from lpoptim import bench, planner
-    from lpoptim.nn.convert import is_wide
+    from lpoptim.nn.convert import wide_linears
 
-    expected = {"tinyllama-1.1b": set(), "llama3.2-3b": set(),
-                "qwen2.5-7b": {"q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"},
-                "llama2-7b": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}}
+    def taken(module):
+        names = {id(m): n.rsplit(".", 1)[-1] for n, m in module.named_modules()}
+        return {names[id(m)] for m in wide_linears(module, planner.LINEARS_MIN_FEATURES)}
+
+    every = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    expected = {"tinyllama-1.1b": set(), "llama3.2-3b": set(), "qwen2.5-7b": every, "llama3-8b": every,
+                "llama2-7b": every}
     for name, wide in expected.items():
         cfg = bench.load_hf_config(name)
         cfg.num_hidden_layers = 1
         with torch.device("meta"):
             block = AutoModelForCausalLM.from_config(cfg).model.layers[0]
-        got = {n.rsplit(".", 1)[-1] for n, m in block.named_modules()
-               if isinstance(m, torch.nn.Linear) and is_wide(m, planner.LINEARS_MIN_FEATURES)}
-        assert got == wide, name
+        assert taken(block) == wide, name
+    with torch.device("meta"):  # Mixtral's router reads q's input: 4096 in, 8 experts out
+        mixed = torch.nn.ModuleDict(dict(q=torch.nn.Linear(4096, 4096), k=torch.nn.Linear(4096, 1024),
+                                         router=torch.nn.Linear(4096, 8), down=torch.nn.Linear(5632, 2048)))
+    assert taken(mixed) == {"q", "k"}
 
 
 def test_four_bit_states_part():

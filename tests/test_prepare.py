@@ -677,10 +677,11 @@ def _summary_options(summary: str) -> dict:
 
 def test_estimates_stay_above_the_measured_peaks():
     """The budget relies on the estimate not falling below the real peak. Every lpoptim stack of the HF bench files
-    (docs/results/hf_*.json: 7B, 13B and 26.1 B Llama shapes and Qwen2.5-7B's on an H100, 1 x 1024 to 4 x 2048,
-    eager and compiled, FP8 and 4-bit states) is estimated again by this code from the plan the file records, on a
-    model built on the meta device: at or above its measured peak, and within 1 GiB of it on the Llama shapes its
-    activation model was calibrated on, 1.5 GiB on Qwen2.5-7B's (its wider MLP saves more with FP8 linears)."""
+    (docs/results/hf_*.json: Llama-2 7B and 13B shapes and a 26.1 B Llama's, Llama-3-8B's and Qwen2.5-7B's, on an
+    H100, 1 x 1024 to 4 x 2048, eager and compiled, FP8 and 4-bit states) is estimated again by this code from the
+    plan the file records, on a model built on the meta device: at or above its measured peak, and within 1 GiB of
+    it on the shapes its activation model was calibrated on (multi-head attention), 2 GiB on the grouped-query
+    ones (their smaller k and v, and Qwen's wider MLP, save less than the model counts)."""
     import glob
     import json
 
@@ -708,10 +709,10 @@ def test_estimates_stay_above_the_measured_peaks():
             p = replace(plan(model, **options), offload_blocks=offload or 0)
             est = estimate_peak_bytes(model, model.get_submodule(p.blocks), p, tokens)
             where = (os.path.basename(path), r["recipe"], est / 2**30, r["peak_bytes"] / 2**30)
-            slack = 2**30 if "llama" in os.path.basename(path) else 1.5 * 2**30
+            slack = 2**30 if os.path.basename(path).startswith(("hf_llama2", "hf_llama_26b")) else 2 * 2**30
             assert r["peak_bytes"] <= est <= r["peak_bytes"] + slack, where
             checked += 1
-    assert checked >= 40, checked
+    assert checked >= 46, checked
 
 
 def test_auto_linears_by_width_and_tokens(monkeypatch):

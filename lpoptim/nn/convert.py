@@ -20,15 +20,35 @@ def _embedding_weights(model: nn.Module) -> set[int]:
     return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
 
 
-def is_wide(linear: nn.Linear, features: int) -> bool:
-    """Whether ``linear`` is at least ``features`` wide in and out (0: any): the width threshold of the layers
-    lpoptim.prepare converts, and of what its memory estimate counts as low-bit."""
-    return min(linear.in_features, linear.out_features) >= features
+# The narrowest output a layer lpoptim.prepare converts beside a wide one: grouped-query attention's k and v
+# projections (512 or 1024 out) read the input that q reads, and converted with it they ran faster (HF Llama-3-8B's
+# shape, compiled, 1 x 1536 tokens, one H100: 1.05x the bf16 GEMMs, against 1.01x with k and v left in bf16, and
+# 0.6 GiB lighter; docs/prepare.md). A mixture-of-experts router (a few outputs) stays as it is.
+MIN_OUT_FEATURES = 512
+
+
+def wide_linears(module: nn.Module, features: int) -> list[nn.Linear]:
+    """The nn.Linear layers of ``module`` that lpoptim.prepare's width threshold ``features`` takes (0: all), and its
+    memory estimate counts as low-bit: those at least that wide in and out, and those reading an input as wide as
+    one of these with at least min(features, MIN_OUT_FEATURES) outputs (k and v beside q). An MLP's down projection
+    in a narrow model (wide in, narrow out, its input no other's) is not taken."""
+    layers = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    wide = {id(m) for m in layers if min(m.in_features, m.out_features) >= features}
+    inputs = {m.in_features for m in layers if id(m) in wide}
+    out = min(features, MIN_OUT_FEATURES)
+    return [m for m in layers if id(m) in wide or (m.in_features in inputs and m.out_features >= out)]
+
+
+def width_label(features: int) -> str:
+    """wide_linears' threshold in words."""
+    out = min(features, MIN_OUT_FEATURES)
+    beside = f" (or {out:,} out beside such a layer)" if out < features else ""  # else nothing more is taken
+    return f"{features:,} wide in and out{beside}"
 
 
 def has_wide_linear(module: nn.Module, features: int) -> bool:
-    """Whether ``module`` holds an nn.Linear not yet converted (exactly that type) at least ``features`` wide."""
-    return any(type(m) is nn.Linear and is_wide(m, features) for m in module.modules())
+    """Whether ``module`` holds an nn.Linear not yet converted (exactly that type) that wide_linears takes."""
+    return any(type(m) is nn.Linear for m in wide_linears(module, features))
 
 
 def is_fsdp_unit(module: nn.Module) -> bool:
