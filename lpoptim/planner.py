@@ -304,7 +304,7 @@ def _in_blocks(model: nn.Module, stack_name: str, min_features: int):
     """convert_linears' filter for the layers inside the blocks (``stack_name``: their ModuleList in the model) that
     the width threshold ``min_features`` takes (wide_linears)."""
     prefix = stack_name + "." if stack_name else ""  # "": the model is the stack
-    taken = {id(m) for m in wide_linears(model.get_submodule(stack_name), min_features)}
+    taken = {id(m) for m in wide_linears(model.get_submodule(stack_name), min_features, unconverted=True)}
     return lambda module, fqn: fqn.startswith(prefix) and id(module) in taken
 
 
@@ -378,8 +378,8 @@ def device_memory_gib(device: torch.device) -> float:
 
 def auto_linears(compiled: bool, fp8_cores: bool, tokens: int | None, stack: nn.Module, min_features: int,
                  min_tokens: int) -> tuple[str | None, str]:
-    """The auto choice of linears, for layers at least ``min_features`` wide from ``min_tokens`` tokens a call:
-    (recipe or None, why)."""
+    """The auto choice of linears, for the layers ``min_features`` takes (nn.convert.wide_linears) from ``min_tokens``
+    tokens a call: (recipe or None, why)."""
     if not fp8_cores:
         return None, "no FP8 tensor cores"
     if not compiled:

@@ -680,8 +680,8 @@ def test_estimates_stay_above_the_measured_peaks():
     (docs/results/hf_*.json: Llama-2 7B and 13B shapes and a 26.1 B Llama's, Llama-3-8B's and Qwen2.5-7B's, on an
     H100, 1 x 1024 to 4 x 2048, eager and compiled, FP8 and 4-bit states) is estimated again by this code from the
     plan the file records, on a model built on the meta device: at or above its measured peak, and within 1 GiB of
-    it on the shapes its activation model was calibrated on (multi-head attention), 2 GiB on the grouped-query
-    ones (their smaller k and v, and Qwen's wider MLP, save less than the model counts)."""
+    it on the shapes its activation model was calibrated on (multi-head attention), 2.25 GiB on the grouped-query
+    ones (their smaller k and v, and Qwen's wider MLP, save less than the model counts; at most 1.99 measured)."""
     import glob
     import json
 
@@ -709,7 +709,7 @@ def test_estimates_stay_above_the_measured_peaks():
             p = replace(plan(model, **options), offload_blocks=offload or 0)
             est = estimate_peak_bytes(model, model.get_submodule(p.blocks), p, tokens)
             where = (os.path.basename(path), r["recipe"], est / 2**30, r["peak_bytes"] / 2**30)
-            slack = 2**30 if os.path.basename(path).startswith(("hf_llama2", "hf_llama_26b")) else 2 * 2**30
+            slack = 2**30 if os.path.basename(path).startswith(("hf_llama2", "hf_llama_26b")) else 2.25 * 2**30
             assert r["peak_bytes"] <= est <= r["peak_bytes"] + slack, where
             checked += 1
     assert checked >= 46, checked
@@ -784,6 +784,34 @@ def test_auto_linears_by_width_and_tokens(monkeypatch):
         low, high = (estimate_peak_bytes(base, stack, c, t) for c in (named, unconverted))
         est = estimate_peak_bytes(base, stack, auto, t)
         assert low < high and (est == high if t < 40 else low < est < high)  # k, v: nn.Linear
+
+
+def test_auto_linears_take_k_and_v_beside_q(monkeypatch):
+    """The width rule's second part through prepare (nn.convert.wide_linears, its output floor scaled to the tiny
+    model): grouped-query attention's k and v, narrow out, are converted with the wide layers beside them and named
+    in the plan; layers converted by hand do not take them along (nothing wide is left unconverted: the blocks are
+    low-bit already)."""
+    import lpoptim.nn.convert as convert
+    import lpoptim.planner as planner
+    from lpoptim.nn import convert_linears
+
+    real = planner.auto_linears
+    monkeypatch.setattr(planner, "auto_linears", lambda compiled, fp8_cores, *a: real(True, True, *a))
+    monkeypatch.setattr(convert, "MIN_OUT_FEATURES", 32)
+    base = _tiny_llama()
+
+    def low_bit(m):
+        return {n.split("layers.0.")[1] for n, l in m.named_modules() if isinstance(l, LowBitLinear) and "layers.0." in n}
+
+    every = {f"self_attn.{x}_proj" for x in "qkvo"} | {f"mlp.{x}_proj" for x in ("gate", "up", "down")}
+    opt = prepare(copy.deepcopy(base), lr=1e-3, compile=False, step_in_backward=False, chunked_loss=False,
+                  linears_min_features=64, linears_min_tokens=0)
+    assert low_bit(opt.plan.model) == every
+    assert "where 64 wide in and out (or 32 out beside such a layer)" in opt.plan.summary()
+    hand = copy.deepcopy(base)
+    convert_linears(hand, filter_fn=lambda m, fqn: ".layers." in fqn and not fqn.endswith(("k_proj", "v_proj")))
+    p = plan(hand, compile=False, step_in_backward=False, chunked_loss=False, linears_min_features=64)
+    assert p.linears is None and p.reasons["linears"] == "the blocks' layers are low-bit already"
 
 
 def test_plan_options_make_the_same_plan_again():

@@ -21,22 +21,25 @@ def _embedding_weights(model: nn.Module) -> set[int]:
 
 
 # The narrowest output a layer lpoptim.prepare converts beside a wide one: grouped-query attention's k and v
-# projections (512 or 1024 out) read the input that q reads, and converted with it they ran faster (HF Llama-3-8B's
-# shape, compiled, 1 x 1536 tokens, one H100: 1.05x the bf16 GEMMs, against 1.01x with k and v left in bf16, and
-# 0.6 GiB lighter; docs/prepare.md). A mixture-of-experts router (a few outputs) stays as it is.
+# projections (512 or 1024 out) read the input that q reads. Converted with it they ran 1.05x the bf16 GEMMs against
+# 1.01x left in bf16 (HF Llama-3-8B's shape, compiled, 1 x 1536 tokens, one H100: one run, a gain near the 2-4%
+# run-to-run spread), and 0.6 GiB lighter (docs/prepare.md). A mixture-of-experts router (a few outputs) stays.
 MIN_OUT_FEATURES = 512
 
 
-def wide_linears(module: nn.Module, features: int) -> list[nn.Linear]:
+def wide_linears(module: nn.Module, features: int, unconverted: bool = False) -> list[nn.Linear]:
     """The nn.Linear layers of ``module`` that lpoptim.prepare's width threshold ``features`` takes (0: all), and its
-    memory estimate counts as low-bit: those at least that wide in and out, and those reading an input as wide as
-    one of these with at least min(features, MIN_OUT_FEATURES) outputs (k and v beside q). An MLP's down projection
-    in a narrow model (wide in, narrow out, its input no other's) is not taken."""
-    layers = [m for m in module.modules() if isinstance(m, nn.Linear)]
-    wide = {id(m) for m in layers if min(m.in_features, m.out_features) >= features}
-    inputs = {m.in_features for m in layers if id(m) in wide}
+    memory estimate counts as low-bit: those at least that wide in and out, and those beside one of these (the same
+    parent module, an input as wide) with at least min(features, MIN_OUT_FEATURES) outputs: k and v beside q. An
+    MLP's down projection in a narrow model (wide in, narrow out) is not taken. ``unconverted``: exactly nn.Linear
+    layers only, and only those decide what is beside (a q converted by hand does not take k and v with it)."""
+    named = [(n.rpartition(".")[0], m) for n, m in module.named_modules()
+             if (type(m) is nn.Linear if unconverted else isinstance(m, nn.Linear))]
+    wide = {id(m) for _, m in named if min(m.in_features, m.out_features) >= features}
+    inputs = {(parent, m.in_features) for parent, m in named if id(m) in wide}
     out = min(features, MIN_OUT_FEATURES)
-    return [m for m in layers if id(m) in wide or (m.in_features in inputs and m.out_features >= out)]
+    return [m for parent, m in named
+            if id(m) in wide or ((parent, m.in_features) in inputs and m.out_features >= out)]
 
 
 def width_label(features: int) -> str:
@@ -48,7 +51,7 @@ def width_label(features: int) -> str:
 
 def has_wide_linear(module: nn.Module, features: int) -> bool:
     """Whether ``module`` holds an nn.Linear not yet converted (exactly that type) that wide_linears takes."""
-    return any(type(m) is nn.Linear for m in wide_linears(module, features))
+    return bool(wide_linears(module, features, unconverted=True))
 
 
 def is_fsdp_unit(module: nn.Module) -> bool:
