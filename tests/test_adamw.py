@@ -512,3 +512,39 @@ def test_loads_states_saved_with_the_older_layout():
     w.grad = torch.randn_like(w)
     opt.step()
     assert torch.isfinite(w).all() and st["step"] == 8
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(state_bits=4), dict(amsgrad=True), dict(dtype=torch.bfloat16, sr=3),
+                                  dict(state_bits=4, dtype=torch.bfloat16, sr=3), dict(quantized=False),
+                                  dict(found_inf=True)])
+def test_reference_steps_a_large_tensor_a_block_of_rows_at_a_time(monkeypatch, opts):
+    """A tensor above ROWS_BLOCK_ELEMENTS is stepped a block of whole rows at a time (the CPU's temporaries stay
+    bounded; stepped whole, a 128k x 3072 embedding needed about 24 GB): parameter, codes, scales and step count
+    bit for bit those of stepping it whole, with the roundings' noise drawn by each element's place in the tensor
+    (bf16 stochastic rounding, 4-bit v) and an odd last block of rows and of columns."""
+    from lpoptim.optim import reference
+    from lpoptim.optim.reference import reference_adamw_step
+    from lpoptim.optim.state import StateLayout, init_state
+
+    dtype = opts.get("dtype", torch.float32)
+    layout = StateLayout(opts.get("quantized", True), state_bits=opts.get("state_bits", 8))
+    amsgrad = opts.get("amsgrad", False)
+    gen = torch.Generator().manual_seed(5)
+    p0 = torch.randn(3, 13, 300, generator=gen).to(dtype)  # 39 rows of 300: 3 groups a row, the last short
+    runs = []
+    for block in (1 << 30, 5 * 300):  # whole; blocks of 5 rows (the last of 4)
+        monkeypatch.setattr(reference, "ROWS_BLOCK_ELEMENTS", block)
+        p = p0.clone()
+        state = init_state(p, layout, amsgrad)
+        for step in range(3):
+            g = torch.randn(p.shape, generator=torch.Generator().manual_seed(step)).to(dtype)
+            found_inf = torch.tensor(float(step == 1)) if opts.get("found_inf") else None
+            reference_adamw_step(p, g, state, layout, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
+                                 amsgrad=amsgrad, maximize=False, found_inf=found_inf, sr_salt=opts.get("sr"),
+                                 state_salt=7, offset=11)
+        runs.append((p, state))
+    (p_whole, s_whole), (p_rows, s_rows) = runs
+    assert torch.equal(p_whole, p_rows) and s_whole.keys() == s_rows.keys()
+    assert all(torch.equal(s_whole[k], s_rows[k]) for k in s_whole), [k for k in s_whole
+                                                                       if not torch.equal(s_whole[k], s_rows[k])]
+    assert float(s_rows["step"]) == (2 if opts.get("found_inf") else 3)

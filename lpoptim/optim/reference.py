@@ -66,11 +66,47 @@ def encode_moments(m: torch.Tensor, v: torch.Tensor, layout: StateLayout,
             "exp_avg_sq" + CODES4: v_codes, "exp_avg_sq_scale": v_scale}
 
 
+# The most elements the reference steps at once: a larger tensor is stepped a block of whole rows at a time (its
+# groups lie along the rows: the same result, bit for bit). Its temporaries take about 60 bytes an element
+# (dequantized moments, their groups, float64 quotients), so a 128k-vocabulary embedding of 3072 columns stepped
+# whole needed about 24 GB on the CPU; a block of 2^22 elements about 250 MB.
+ROWS_BLOCK_ELEMENTS = 1 << 22
+
+
 def reference_adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, layout: StateLayout, *,
                          lr, beta1: float, beta2: float, eps: float, weight_decay: float, amsgrad: bool,
                          maximize: bool, grad_scale: torch.Tensor | None = None,
                          found_inf: torch.Tensor | None = None, sr_salt: int | None = None,
                          state_salt: int = 0, offset: int = 0) -> None:
+    """One AdamW step of ``param`` in place (_step_rows, a block of rows at a time where it is large: the state's
+    tensors, codes and scales alike, are one row per row of the parameter, so a block's are views of theirs, and
+    its element offset draws the roundings' noise as the whole tensor would)."""
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                 maximize=maximize, grad_scale=grad_scale, found_inf=found_inf, sr_salt=sr_salt,
+                 state_salt=state_salt)
+    n = param.shape[-1] if param.dim() else 1
+    rows = param.numel() // max(n, 1)
+    block = max(1, ROWS_BLOCK_ELEMENTS // max(n, 1))
+    tensors = [t for k, t in state.items() if k != "step"]
+    if (rows <= block or not all(t.is_contiguous() for t in (param, grad, *tensors))
+            or any(t.numel() % rows for t in tensors)):
+        return _step_rows(param, grad, state, layout, offset=offset, **hyper)
+    flat = {k: t.view(rows, -1) for k, t in state.items() if k != "step"}
+    step = state["step"]
+    for first in range(0, rows, block):
+        last = min(first + block, rows)
+        part = {k: t[first:last] for k, t in flat.items()}
+        part["step"] = step.clone()  # each block advances its own copy from the same count
+        _step_rows(param.view(rows, n)[first:last], grad.view(rows, n)[first:last], part, layout,
+                   offset=offset + first * n, **hyper)
+    step.copy_(part["step"])
+
+
+def _step_rows(param: torch.Tensor, grad: torch.Tensor, state: dict, layout: StateLayout, *,
+               lr, beta1: float, beta2: float, eps: float, weight_decay: float, amsgrad: bool,
+               maximize: bool, grad_scale: torch.Tensor | None = None,
+               found_inf: torch.Tensor | None = None, sr_salt: int | None = None,
+               state_salt: int = 0, offset: int = 0) -> None:
     """One AdamW step of ``param`` in place. ``state`` holds 'step' (fp32, on the device) and the moments.
 
     ``sr_salt``: round a bf16 parameter stochastically (stochastic_round.py), with this salt in its key.
