@@ -339,8 +339,8 @@ def parser() -> Parser:
     b.add_argument("--seq", type=positive_int, help="tokens per sequence (default: tiny 64, others 2048)")
     model.add_argument("--hf-config", metavar="PATH", type=hf_config_arg,
                    help="a Hugging Face config.json (or a folder holding one, or a bundled name: tinyllama-1.1b, "
-                        "llama3.2-3b, llama2-7b, llama3-8b, qwen2.5-7b, llama2-13b, llama-26b): that causal LM, "
-                        "random init, no download, instead of --preset")
+                        "llama3.2-3b, llama2-7b, llama3-8b, qwen2.5-7b, gemma2-9b, llama2-13b, llama-26b): that causal "
+                        "LM, random init, no download, instead of --preset")
     b.add_argument("--recipes", type=stack_list,
                    help=f"comma-separated recipes (default: {','.join(DEFAULT_RECIPES)}; with --hf-config "
                         f"{','.join(HF_DEFAULT_RECIPES)}); the first is the baseline")

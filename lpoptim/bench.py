@@ -185,8 +185,8 @@ def build(stack: Stack, cfg: LlamaConfig, device: str, compile_blocks: bool):
 
 def hf_config_file(path: str) -> Path:
     """The config.json that ``path`` names: the file itself, the one in a folder, or one bundled with lpoptim
-    (lpoptim/data/hf_configs: tinyllama-1.1b, llama3.2-3b, llama2-7b, llama3-8b, qwen2.5-7b, llama2-13b,
-    llama-26b). ValueError, in one line, if there is none."""
+    (lpoptim/data/hf_configs: tinyllama-1.1b, llama3.2-3b, llama2-7b, llama3-8b, qwen2.5-7b, gemma2-9b,
+    llama2-13b, llama-26b). ValueError, in one line, if there is none."""
     p = Path(path)
     if not p.exists() and (HF_CONFIGS / f"{path}.json").is_file():
         p = HF_CONFIGS / f"{path}.json"

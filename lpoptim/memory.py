@@ -12,13 +12,14 @@ linear inputs that low-bit layers take: those a width threshold converts, none u
 attention's q, k, v and output packed too (FP8 per row: half their bf16 bytes) save half of those; with
 recompute, one FP8 block input per block and one block's activations while it is replayed; with k of n blocks
 offloaded to host memory, (n - k + 1) / n of them (one block fetched back ahead). The LM head and loss: about
-10 bytes per logit (the logits, their fp32 copy and softmax's gradient), or with the chunked loss the hidden
+10 bytes per logit (the logits, their fp32 copy and softmax's gradient; 4 more with Gemma 2's logit softcap), or
+with the chunked loss the hidden
 states' gradient, the head's weight gradient and the smaller of the logits' gradient and an fp32 sum of the
 weight's. Then 1.2% for the allocator. On HF Llama
 shapes of 7B, 13B and 26B (1 x 1024 to 4 x 2048, 34 stacks, eager and compiled, FP8 and 4-bit states:
 docs/results/hf_llama2*.json, hf_llama_26b*.json) the estimate lay 0.03-0.93 GiB above the measured peak, never
-below it; on grouped-query shapes it was not calibrated on (Llama-3-8B, Qwen2.5-7B: 12 stacks) 0.56-1.99 GiB
-above. On other shapes treat it as an estimate:
+below it; on grouped-query shapes it was not calibrated on (Llama-3-8B, Qwen2.5-7B, Gemma-2-9B: 15 stacks)
+0.56-1.99 GiB above. On other shapes treat it as an estimate:
 ``lpoptim bench --hf-config`` measures the real peak.
 """
 from __future__ import annotations
@@ -128,8 +129,9 @@ def estimate_peak_bytes(model: nn.Module, blocks: nn.ModuleList, plan, tokens: i
             kept = keeps_logits_grad(tokens, d, elem, w_elem == elem)
             head_bytes = (tokens * d * elem + vocab * d * w_elem
                           + (tokens * vocab * elem if kept else vocab * d * 4 if w_elem < 4 else 0))
-        else:
-            head_bytes = tokens * vocab * (elem + 8)
+        else:  # a softcap (Gemma 2's final_logit_softcapping) keeps tanh's output and a temporary of it too
+            softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+            head_bytes = tokens * vocab * (elem + 8 + (2 * elem if softcap else 0))
     if plan.step_in_backward:
         transient = activations + head_bytes + min(BUCKET_BYTES, sum(grads)) + max(grads)
     else:

@@ -219,7 +219,7 @@ def test_bundled_hf_configs_load():
 
     for name, kind, layers, width in (("tinyllama-1.1b", "llama", 22, 2048), ("llama3.2-3b", "llama", 28, 3072),
                                       ("llama2-7b", "llama", 32, 4096), ("llama3-8b", "llama", 32, 4096),
-                                      ("qwen2.5-7b", "qwen2", 28, 3584),
+                                      ("qwen2.5-7b", "qwen2", 28, 3584), ("gemma2-9b", "gemma2", 42, 3584),
                                       ("llama2-13b", "llama", 40, 5120), ("llama-26b", "llama", 48, 6656)):
         cfg = bench.load_hf_config(name)
         assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.use_cache) == (kind, layers, width, False)
@@ -243,8 +243,8 @@ def test_auto_linears_width_on_the_bundled_configs():
         return {names[id(m)] for m in wide_linears(module, planner.LINEARS_MIN_FEATURES)}
 
     every = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-    expected = {"tinyllama-1.1b": set(), "llama3.2-3b": set(), "qwen2.5-7b": every, "llama3-8b": every,
-                "llama2-7b": every}
+    expected = {"tinyllama-1.1b": set(), "llama3.2-3b": set(), "qwen2.5-7b": every, "gemma2-9b": every,
+                "llama3-8b": every, "llama2-7b": every}
     for name, wide in expected.items():
         cfg = bench.load_hf_config(name)
         cfg.num_hidden_layers = 1
