@@ -18,8 +18,8 @@ states' gradient, the head's weight gradient and the smaller of the logits' grad
 weight's. Then 1.2% for the allocator. On HF Llama
 shapes of 7B, 13B and 26B (1 x 1024 to 4 x 2048, 34 stacks, eager and compiled, FP8 and 4-bit states:
 docs/results/hf_llama2*.json, hf_llama_26b*.json) the estimate lay 0.03-0.93 GiB above the measured peak, never
-below it; on grouped-query shapes it was not calibrated on (Llama-3-8B, Qwen2.5-7B, Gemma-2-9B: 15 stacks)
-0.56-1.99 GiB above. On other shapes treat it as an estimate:
+below it; on grouped-query shapes it was not calibrated on (Llama-3-8B, Qwen2.5-7B, Gemma-2-9B: 16 stacks)
+0.27-1.91 GiB above. On other shapes treat it as an estimate:
 ``lpoptim bench --hf-config`` measures the real peak.
 """
 from __future__ import annotations

@@ -31,6 +31,30 @@ def test_matches_unfused_head_and_loss_fp32(chunk):
     torch.testing.assert_close(fw, gw, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("chunk", [7, None])
+def test_softcap_matches_unfused(chunk):
+    """Gemma 2's final_logit_softcapping: the loss of c * tanh(logits / c), as HF computes it (divided, tanh,
+    multiplied), and its gradients through the cap; a cap that bites (logits up to ~4 c) changes the loss."""
+    g = torch.Generator().manual_seed(3)
+    h = (4 * torch.randn(2, 20, 32, generator=g)).requires_grad_()
+    w = torch.randn(50, 32, generator=g, requires_grad=True)
+    t = torch.randint(0, 50, (2, 20), generator=g)
+    t[1, -3:] = -100
+    logits = h @ w.t()
+    cap = 30.0
+    ref = F.cross_entropy((torch.tanh(logits / cap) * cap).view(-1, 50), t.view(-1))
+    gh, gw = torch.autograd.grad(ref, (h, w))
+    out = linear_cross_entropy(h, w, t, chunk=chunk, softcap=cap)
+    fh, fw = torch.autograd.grad(out, (h, w))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fh, gh, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(fw, gw, rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(out, linear_cross_entropy(h, w, t, chunk=chunk), rtol=1e-2)
+    for bad in (-1.0, float("inf"), float("nan"), True, "30"):
+        with pytest.raises(ValueError, match="softcap"):
+            linear_cross_entropy(h, w, t, softcap=bad)
+
+
 def test_under_bf16_autocast_with_fp32_weight():
     g = torch.Generator().manual_seed(1)
     h = torch.randn(64, 32, generator=g, requires_grad=True)

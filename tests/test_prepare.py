@@ -202,8 +202,8 @@ def _assert_same_grads(ref: dict, got: dict):
         torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5 * top, msg=k)
 
 
-@pytest.mark.parametrize("name", [n for n in CAUSAL if n != "gemma2"])
-def test_chunked_loss_is_hf_loss(name):
+@pytest.mark.parametrize("name", CAUSAL)
+def test_chunked_loss_is_hf_loss(name):  # gemma2: its final_logit_softcapping (30) taken into the chunked loss
     model = _hf(name)
     assert why_not(model) is None
     prepared = copy.deepcopy(model)
@@ -250,20 +250,22 @@ def test_chunked_loss_is_hf_loss(name):
     assert prepared(input_ids=ids, labels=labels).logits is not None
 
 
-def test_chunked_loss_refused_for_softcapped_logits():
-    """Gemma 2 soft-caps its logits after the head: the loss is not a cross-entropy of the head's GEMM. why_not
-    names why; prepare leaves the loss alone; chunked_loss=True is refused before anything changes."""
-    model = _hf("gemma2")
+def test_chunked_loss_refused_for_transformed_logits():
+    """A model that scales its logits after the head (Cohere's logit_scale, here set on a Llama): the loss is not a
+    cross-entropy of the head's GEMM. why_not names why; prepare leaves the loss alone; chunked_loss=True is refused
+    before anything changes."""
+    model = _tiny_llama()
+    model.config.logit_scale = 0.0625
     reason = why_not(model)
-    assert reason and "final_logit_softcapping" in reason
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
+    assert reason and "logit_scale" in reason
+    with pytest.raises(ValueError, match="logit_scale"):
         prepare(model, lr=1e-3, chunked_loss=True, compile=False)
     assert model.config.use_cache is True and "forward" not in model.__dict__  # refused before the change
     prepared = copy.deepcopy(model)
     opt = prepare(prepared, lr=1e-3, compile=False, step_in_backward=False)
-    assert opt.plan.chunked_loss is False and "final_logit_softcapping" in opt.plan.reasons["chunked_loss"]
+    assert opt.plan.chunked_loss is False and "logit_scale" in opt.plan.reasons["chunked_loss"]
     assert "forward" not in prepared.__dict__
-    batch = _batch("gemma2", 16)
+    batch = _batch("llama", 16)
     out_ref, ref = _run(model, **batch)
     out, got = _run(prepared, **batch)
     assert out.logits is not None and torch.equal(out.loss, out_ref.loss)
@@ -682,7 +684,7 @@ def test_estimates_stay_above_the_measured_peaks():
     this code from the plan the file records, on a model built on the meta device: at or above its measured peak,
     and within 1 GiB of it on the shapes its activation model was calibrated on (multi-head attention), 2.25 GiB on
     the grouped-query ones (their smaller k and v, and Qwen's wider MLP, save less than the model counts; at most
-    1.99 measured)."""
+    1.91 measured)."""
     import glob
     import json
 
@@ -713,7 +715,7 @@ def test_estimates_stay_above_the_measured_peaks():
             slack = 2**30 if os.path.basename(path).startswith(("hf_llama2", "hf_llama_26b")) else 2.25 * 2**30
             assert r["peak_bytes"] <= est <= r["peak_bytes"] + slack, where
             checked += 1
-    assert checked >= 49, checked
+    assert checked >= 50, checked
 
 
 def test_auto_linears_by_width_and_tokens(monkeypatch):

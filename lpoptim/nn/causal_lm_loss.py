@@ -13,9 +13,9 @@ as its own forward adds it. The output's ``logits`` are None in that case (they 
 ``no_grad``, calls without labels and calls for a tuple (``return_dict=False``, or ``config.return_dict`` off)
 run the model's own forward unchanged.
 
-Models whose logits are more than the head's GEMM (Gemma 2's final soft-capping, Cohere's logit scale, Granite's
-logit scaling), heads with a bias and forwards without ``logits_to_keep`` are refused by ``why_not``: their loss
-is left as it is.
+Gemma 2's final soft-capping is computed in each chunk (linear_cross_entropy's ``softcap``). Models whose logits
+are otherwise more than the head's GEMM (Cohere's logit scale, Granite's logit scaling), heads with a bias and
+forwards without ``logits_to_keep`` are refused by ``why_not``: their loss is left as it is.
 """
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ from ..instance_forward import had_own_forward, install_forward, remove_forward
 from .linear_cross_entropy import linear_cross_entropy
 
 _ATTR = "_lpoptim_chunked_loss"
-# config attributes that put more than the head's GEMM between the hidden states and the logits
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+# config attributes that put more than the head's GEMM between the hidden states and the logits (Gemma 2's
+# final_logit_softcapping is taken into the chunked loss: linear_cross_entropy's softcap)
+_LOGIT_TRANSFORMS = ("logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
 def _decoder(model: nn.Module) -> nn.Module | None:
@@ -106,7 +107,9 @@ class _ChunkedLossForward:
             targets = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         targets = targets.to(hidden.device)
         head = model.get_output_embeddings()
-        loss = linear_cross_entropy(hidden, head.weight, targets, chunk=self.chunk, ignore_index=ignore_index)
+        softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+        loss = linear_cross_entropy(hidden, head.weight, targets, chunk=self.chunk, ignore_index=ignore_index,
+                                    softcap=softcap)
         items = kwargs.get("num_items_in_batch")
         if items is not None:  # HF's reduction="sum" over the items of the whole accumulated batch
             loss = loss * (targets != ignore_index).sum() / torch.as_tensor(items, device=loss.device)

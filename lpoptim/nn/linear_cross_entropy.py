@@ -11,13 +11,27 @@ gradient is kept whole, in the compute dtype, only where that is smaller than an
 gradient (few tokens), and only until the weight's gradient is taken from it.
 
 Numerics are F.cross_entropy's on fp32 logits (mean over targets that are not ``ignore_index``); the logits are
-computed in the hidden states' dtype, as autocast would. Tested against the unfused head and loss.
+computed in the hidden states' dtype, as autocast would. A ``softcap`` c (Gemma 2's final_logit_softcapping) takes
+the loss of c · tanh(logits / c), in fp32, and its chain rule (1 - tanh²) in each chunk. Tested against the unfused
+head and loss.
 """
 from __future__ import annotations
 
 import warnings
 
 import torch
+
+
+# Tokens per chunk: about 64 MiB of fp32 logits, but at least MIN_CHUNK_TOKENS. With a large vocabulary 64 MiB is
+# a few dozen tokens, GEMMs too thin to run well: 2048 tokens, bf16, one H100 (benchmarks/loss_chunks.py), a
+# 128k x 4096 head took 24.9 ms forward and backward in chunks of 130 tokens and 18.2 ms in chunks of 256 (0.07 GiB
+# more at the peak); 152k x 3584: 29.2 against 20.1 ms; Gemma 2's 256k x 3584 with its softcap: 76.1 against 43.6.
+MIN_CHUNK_TOKENS = 256
+
+
+def default_chunk(vocab: int) -> int:
+    """Tokens per chunk for a head of ``vocab`` outputs (MIN_CHUNK_TOKENS says why)."""
+    return max(MIN_CHUNK_TOKENS, (64 << 20) // (4 * vocab))
 
 
 def keeps_logits_grad(tokens: int, width: int, elem: int, same_dtype: bool) -> bool:
@@ -77,7 +91,7 @@ def _unscaled(ctx, grad_w: torch.Tensor) -> torch.Tensor:
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk: int, ignore_index: int):
+    def forward(ctx, hidden, weight, targets, chunk: int, ignore_index: int, softcap: float | None):
         h = hidden.reshape(-1, hidden.shape[-1])
         t = targets.reshape(-1)
         w = weight.to(h.dtype)  # the compute dtype: bf16 under autocast, as nn.Linear would run
@@ -100,6 +114,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         for s in range(0, h.shape[0], chunk):
             hs, ts, vs = h[s:s + chunk], picks[s:s + chunk], valid[s:s + chunk]
             logits = (hs @ w.t()).float()
+            if softcap:  # as HF's Gemma 2: divided, tanh, multiplied (kept: tanh's derivative below)
+                capped = torch.tanh(logits.div_(softcap))
+                logits = capped * softcap
             lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, ts[:, None]).squeeze(1)
             loss += torch.where(vs, lse - picked, 0.0).sum()
@@ -109,6 +126,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             g = logits.sub_(lse[:, None]).exp_()
             g.scatter_add_(1, ts[:, None], torch.full_like(picked, -1.0)[:, None])
             g.mul_(vs[:, None])
+            if softcap:  # d(c tanh(x / c))/dx = 1 - tanh^2
+                g.mul_(capped.mul_(capped).neg_().add_(1.0))
             g = grads[s:s + chunk].copy_(g) if grads is not None else g.to(h.dtype)
             if grad_h is not None:
                 torch.matmul(g, w, out=grad_h[s:s + chunk])
@@ -153,20 +172,26 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 gw = _unscaled(ctx, grad_w) * s
         elif grad_w is not None:  # written in the weight's dtype: no fp32 temporary of the head's size
             gw = torch.mul(grad_w, scale, out=torch.empty(grad_w.shape, dtype=weight_dtype, device=grad_w.device))
-        return gh, gw, None, None, None
+        return gh, gw, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                         chunk: int | None = None, ignore_index: int = -100) -> torch.Tensor:
+                         chunk: int | None = None, ignore_index: int = -100,
+                         softcap: float | None = None) -> torch.Tensor:
     """``F.cross_entropy((hidden @ weight.T).float().view(-1, V), targets.view(-1))`` without the logits.
 
-    ``chunk``: tokens per chunk (default: about 64 MiB of fp32 logits per chunk)."""
+    ``chunk``: tokens per chunk (default: ``default_chunk``, about 64 MiB of fp32 logits and at least 256 tokens).
+    ``softcap``: the loss of ``softcap * tanh(logits / softcap)`` (Gemma 2's final_logit_softcapping); None or 0:
+    none."""
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} disagree")
     if hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden size {hidden.shape[-1]} != weight's in-features {weight.shape[1]}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
+                                    and (softcap == 0 or 0 < softcap < float("inf"))):
+        raise ValueError(f"softcap must be a positive finite number, 0 or None, got {softcap!r}")
     if torch.is_autocast_enabled(hidden.device.type):  # the head's GEMM in autocast's dtype, as nn.Linear
         hidden = hidden.to(torch.get_autocast_dtype(hidden.device.type))
-    chunk = chunk or max(1, (64 << 20) // (4 * weight.shape[0]))
+    chunk = chunk or default_chunk(weight.shape[0])
     with torch.autocast(hidden.device.type, enabled=False):
-        return LinearCrossEntropyFunction.apply(hidden, weight, targets, chunk, ignore_index)
+        return LinearCrossEntropyFunction.apply(hidden, weight, targets, chunk, ignore_index, float(softcap or 0))
