@@ -1,5 +1,5 @@
 """The chunked LM head + loss (lpoptim.nn.linear_cross_entropy) by chunk size, against the unfused head and loss:
-forward + backward time and the peak memory above the inputs, on one GPU, bf16, for the heads of Gemma 2 9B (with
+forward + backward time and the peak memory above the inputs and their gradients, on one GPU, bf16, for the heads of Gemma 2 9B (with
 its logit softcap), Llama 3 8B, Qwen2.5 7B and Llama 2 7B.
 
     PYTHONPATH=$PWD python benchmarks/loss_chunks.py --out results/loss_chunks.json
@@ -75,7 +75,7 @@ def main(argv=None):
         torch.cuda.empty_cache()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(info=dict(environment(), tokens=args.tokens,
-                                                        command="python benchmarks/loss_chunks.py"), rows=rows),
+                                                        command="python " + " ".join(sys.argv)), rows=rows),
                                           indent=1))
 
 

@@ -105,6 +105,9 @@ class _ChunkedLossForward:
         targets = kwargs.get("shift_labels")
         if targets is None:
             targets = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        if hidden.shape[:-1] != targets.shape:  # the base model cut its output to logits_to_keep (Gemma 4's shared
+            # KV caches, say): the model's own forward and loss, whole logits, for this call
+            return self.original(*args, labels=labels, **kwargs)
         targets = targets.to(hidden.device)
         head = model.get_output_embeddings()
         softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)

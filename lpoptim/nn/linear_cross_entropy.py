@@ -12,7 +12,8 @@ gradient (few tokens), and only until the weight's gradient is taken from it.
 
 Numerics are F.cross_entropy's on fp32 logits (mean over targets that are not ``ignore_index``); the logits are
 computed in the hidden states' dtype, as autocast would. A ``softcap`` c (Gemma 2's final_logit_softcapping) takes
-the loss of c · tanh(logits / c), in fp32, and its chain rule (1 - tanh²) in each chunk. Tested against the unfused
+the loss of c · tanh(logits / c), in fp32 (HF rounds each of those steps in the model's dtype: in bf16 the losses
+differ by more than without a cap), and its chain rule (1 - tanh²) in each chunk. Tested against the unfused
 head and loss.
 """
 from __future__ import annotations
@@ -24,8 +25,8 @@ import torch
 
 # Tokens per chunk: about 64 MiB of fp32 logits, but at least MIN_CHUNK_TOKENS. With a large vocabulary 64 MiB is
 # a few dozen tokens, GEMMs too thin to run well: 2048 tokens, bf16, one H100 (benchmarks/loss_chunks.py), a
-# 128k x 4096 head took 24.9 ms forward and backward in chunks of 130 tokens and 18.2 ms in chunks of 256 (0.07 GiB
-# more at the peak); 152k x 3584: 29.2 against 20.1 ms; Gemma 2's 256k x 3584 with its softcap: 76.1 against 43.6.
+# 128k x 4096 head took 24.6 ms forward and backward in chunks of 130 tokens and 17.9 ms in chunks of 256 (0.08 GiB
+# more at the peak); 152k x 3584: 28.8 against 19.9 ms; Gemma 2's 256k x 3584 with its softcap: 75.7 against 43.4.
 MIN_CHUNK_TOKENS = 256
 
 
