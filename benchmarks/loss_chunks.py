@@ -1,6 +1,6 @@
 """The chunked LM head + loss (lpoptim.nn.linear_cross_entropy) by chunk size, against the unfused head and loss:
-forward + backward time and the peak memory above the inputs and their gradients, on one GPU, bf16, for the heads of Gemma 2 9B (with
-its logit softcap), Llama 3 8B, Qwen2.5 7B and Llama 2 7B.
+forward + backward time and the peak memory above the inputs and their gradients, on one GPU, bf16, for the heads
+of Gemma 2 9B (with its logit softcap), Llama 3 8B, Qwen2.5 7B and Llama 2 7B.
 
     PYTHONPATH=$PWD python benchmarks/loss_chunks.py --out results/loss_chunks.json
 """
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lpoptim.bench import environment  # noqa: E402
-from lpoptim.nn.linear_cross_entropy import default_chunk, linear_cross_entropy  # noqa: E402
+from lpoptim.nn.linear_cross_entropy import default_chunk, linear_cross_entropy, logits_chunk  # noqa: E402
 
 HEADS = {"gemma2-9b": (256000, 3584, 30.0), "llama3-8b": (128256, 4096, None), "qwen2.5-7b": (152064, 3584, None),
          "llama2-7b": (32000, 4096, None)}
@@ -62,7 +62,7 @@ def main(argv=None):
             if cap:
                 logits = torch.tanh(logits / cap) * cap
             return F.cross_entropy(logits.float(), t)
-        old = max(1, (64 << 20) // (4 * vocab))  # the chunk before the 256-token floor
+        old = logits_chunk(vocab)  # the chunk before the 256-token floor
         for chunk in [None, *sorted({old, 128, 256, 512, 1024, args.tokens})]:
             fn = unfused if chunk is None else (lambda c=chunk: linear_cross_entropy(h, w, t, chunk=c, softcap=cap))
             seconds, peak = measure(fn, h, w)

@@ -7,20 +7,19 @@ activations are a model: per token and block, a multiple of the bytes of the inp
 (what those layers save), calibrated on HF's Llama-2-7B shape at 1 x 2048 tokens, bf16, one H100, torch 2.11
 (``lpoptim bench --hf-config llama2-7b``, eager and ``--compile``): 2.6 of them eager, 1.75 compiled; then x 0.32
 with FP8 activations eager, x 0.5 with FP8 activations and FP8 linears eager; compiled, x 0.62 with FP8
-activations, x 0.75 with FP8 linears, x 0.55 with both (FP8 linears' factors for the share of the
-linear inputs that low-bit layers take: those a width threshold converts, none under a token threshold);
-attention's q, k, v and output packed too (FP8 per row: half their bf16 bytes) save half of those; with
-recompute, one FP8 block input per block and one block's activations while it is replayed; with k of n blocks
-offloaded to host memory, (n - k + 1) / n of them (one block fetched back ahead). The LM head and loss: about
-10 bytes per logit (the logits, their fp32 copy and softmax's gradient; 4 more with Gemma 2's logit softcap), or
-with the chunked loss the hidden
-states' gradient, the head's weight gradient and the smaller of the logits' gradient and an fp32 sum of the
-weight's, and a chunk's temporaries beyond those of 64 MiB chunks (the 256-token floor of large vocabularies). Then 1.2% for the allocator. On HF Llama
-shapes of 7B, 13B and 26B (1 x 1024 to 4 x 2048, 34 stacks, eager and compiled, FP8 and 4-bit states:
-docs/results/hf_llama2*.json, hf_llama_26b*.json) the estimate lay 0.03-0.93 GiB above the measured peak, never
-below it; on grouped-query shapes it was not calibrated on (Llama-3-8B, Qwen2.5-7B, Gemma-2-9B: 16 stacks)
-0.62-2.03 GiB above. On other shapes treat it as an estimate:
-``lpoptim bench --hf-config`` measures the real peak.
+activations, x 0.75 with FP8 linears, x 0.55 with both (FP8 linears' factors for the share of the linear inputs
+that low-bit layers take: those a width threshold converts, none under a token threshold); attention's q, k, v
+and output packed too (FP8 per row: half their bf16 bytes) save half of those; with recompute, one FP8 block input
+per block and one block's activations while it is replayed; with k of n blocks offloaded to host memory,
+(n - k + 1) / n of them (one block fetched back ahead). The LM head and loss: about 10 bytes per logit (the
+logits, their fp32 copy and softmax's gradient; 4 more with Gemma 2's logit softcap), or with the chunked loss the
+hidden states' gradient, the head's weight gradient, the smaller of the logits' gradient and an fp32 sum of the
+weight's, and a chunk's temporaries beyond those of 64 MiB chunks (the 256-token floor of large vocabularies).
+Then 1.2% for the allocator. On HF Llama shapes of 7B, 13B and 26B (1 x 1024 to 4 x 2048, 34 stacks, eager and
+compiled, FP8 and 4-bit states: docs/results/hf_llama2*.json, hf_llama_26b*.json) the estimate lay 0.03-0.93 GiB
+above the measured peak, never below it; on grouped-query shapes it was not calibrated on (Llama-3-8B,
+Qwen2.5-7B, Gemma-2-9B: 16 stacks) 0.62-2.03 GiB above. On other shapes treat it as an estimate: ``lpoptim bench
+--hf-config`` measures the real peak.
 """
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from .nn.convert import wide_linears
-from .nn.linear_cross_entropy import default_chunk, keeps_logits_grad
+from .nn.linear_cross_entropy import default_chunk, keeps_logits_grad, logits_chunk
 from .quant import num_groups, packed_shape
 
 BUCKET_BYTES = 256 * 2**20  # step_in_backward's default bucket
@@ -132,7 +131,7 @@ def estimate_peak_bytes(model: nn.Module, blocks: nn.ModuleList, plan, tokens: i
                           + (tokens * vocab * elem if kept else vocab * d * 4 if w_elem < 4 else 0))
             # a chunk's temporaries (its logits in the GEMM's dtype and in fp32, the gradient's copy; a softcap's
             # tanh and capped logits): those of 64 MiB chunks are in the calibration, the 256-token floor's more not
-            extra = min(tokens, default_chunk(vocab)) - min(tokens, max(1, (64 << 20) // (4 * vocab)))
+            extra = min(tokens, default_chunk(vocab)) - min(tokens, logits_chunk(vocab))
             head_bytes += extra * vocab * (2 * elem + 4 + (8 if softcap else 0))
         else:  # a softcap (Gemma 2's final_logit_softcapping) keeps tanh's output and a temporary of it too
             head_bytes = tokens * vocab * (elem + 8 + (2 * elem if softcap else 0))

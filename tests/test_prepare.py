@@ -270,9 +270,16 @@ def test_chunked_loss_falls_back_where_the_base_model_cuts_its_output():
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     out_ref, ref = _run(model, input_ids=ids, labels=ids)
     chunked = chunk_causal_lm_loss(copy.deepcopy(model))
-    out, got = _run(chunked, input_ids=ids, labels=ids)
-    assert torch.equal(out.loss, out_ref.loss)
+    runs = []
+    chunked.model.register_forward_hook(lambda *_: runs.append(1))
+    with pytest.warns(UserWarning, match="cuts its output"):
+        out, got = _run(chunked, input_ids=ids, labels=ids)
+    assert torch.equal(out.loss, out_ref.loss) and len(runs) == 2  # the chunked attempt, then its own forward
     _assert_same_grads(ref, got)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, got = _run(chunked, input_ids=ids, labels=ids)  # remembered: one forward, no second warning
+    assert torch.equal(out.loss, out_ref.loss) and len(runs) == 3
 
 
 def test_chunked_loss_refused_for_transformed_logits():
@@ -743,6 +750,12 @@ def test_estimates_stay_above_the_measured_peaks():
     assert checked >= 50, checked
 
 
+def _low_bit_layers(model) -> dict:
+    """The first block's low-bit layers, by name within the block, with their min_tokens."""
+    return {n.split("layers.0.")[1]: m.min_tokens for n, m in model.named_modules()
+            if isinstance(m, LowBitLinear) and "layers.0." in n}
+
+
 def test_auto_linears_by_width_and_tokens(monkeypatch):
     """The auto choice of linears, where it converts (compiled blocks on FP8 tensor cores: pretended here, on the
     CPU, with the thresholds scaled to a tiny model): only the blocks' layers at least linears_min_features wide in
@@ -775,11 +788,7 @@ def test_auto_linears_by_width_and_tokens(monkeypatch):
     assert "fp8_delayed, where 64 wide in and out, nn.Linear under 40 tokens a call" in p.summary()
     wide = {"self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}  # k, v: 32 out
 
-    def low_bit(m):
-        return {n.split("layers.0.")[1]: l.min_tokens for n, l in m.named_modules()
-                if isinstance(l, LowBitLinear) and "layers.0." in n}
-
-    assert low_bit(model) == dict.fromkeys(wide, 40)
+    assert _low_bit_layers(model) == dict.fromkeys(wide, 40)
     small, large = _batch("llama", 16), _batch("llama", 24)  # 32 and 48 tokens a step
     for batch, same in ((small, True), (large, False)):
         ref, got = _run(base, **batch), _run(model, **batch)
@@ -789,9 +798,9 @@ def test_auto_linears_by_width_and_tokens(monkeypatch):
     options = json.loads(json.dumps(p.options()))
     assert options["linears"] == "fp8_delayed"
     again = prepare(copy.deepcopy(base), lr=1e-3, **options)
-    assert again.plan.options() == p.options() and low_bit(again.plan.model) == low_bit(model)
+    assert again.plan.options() == p.options() and _low_bit_layers(again.plan.model) == _low_bit_layers(model)
     narrower = prepare(copy.deepcopy(base), lr=1e-3, compile=False, linears_min_features=0, linears_min_tokens=0)
-    assert low_bit(narrower.plan.model) == dict.fromkeys(wide | {"self_attn.k_proj", "self_attn.v_proj"}, 0)
+    assert _low_bit_layers(narrower.plan.model) == dict.fromkeys(wide | {"self_attn.k_proj", "self_attn.v_proj"}, 0)
     named = plan(base, linears="fp8_delayed", compile=False, step_in_backward=False, chunked_loss=False)
     assert (named.linears_min_features, named.linears_min_tokens) == (0, 0)
     too_wide = plan(base, linears="fp8_delayed", compile=False, linears_min_features=256)
@@ -828,13 +837,10 @@ def test_auto_linears_take_k_and_v_beside_q(monkeypatch):
     monkeypatch.setattr(convert, "MIN_OUT_FEATURES", 32)
     base = _tiny_llama()
 
-    def low_bit(m):
-        return {n.split("layers.0.")[1] for n, l in m.named_modules() if isinstance(l, LowBitLinear) and "layers.0." in n}
-
     every = {f"self_attn.{x}_proj" for x in "qkvo"} | {f"mlp.{x}_proj" for x in ("gate", "up", "down")}
     opt = prepare(copy.deepcopy(base), lr=1e-3, compile=False, step_in_backward=False, chunked_loss=False,
                   linears_min_features=64, linears_min_tokens=0)
-    assert low_bit(opt.plan.model) == every
+    assert set(_low_bit_layers(opt.plan.model)) == every
     assert "where 64 wide in and out (or 32 out beside such a layer)" in opt.plan.summary()
     hand = copy.deepcopy(base)
     convert_linears(hand, filter_fn=lambda m, fqn: ".layers." in fqn and not fqn.endswith(("k_proj", "v_proj")))

@@ -20,6 +20,7 @@ forwards without ``logits_to_keep`` are refused by ``why_not``: their loss is le
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import torch
 import torch.nn as nn
@@ -74,6 +75,7 @@ class _ChunkedLossForward:
 
     def __init__(self, model: nn.Module, original, had_forward: bool, chunk: int | None):
         self.model, self.original, self.had_forward, self.chunk = model, original, had_forward, chunk
+        self.whole_logits = False  # set where the base model cut its output: the model's own loss from then on
         # what inspect.signature(model.forward) reports: the HF Trainer keeps only the dataset columns the forward
         # names (remove_unused_columns), and would drop input_ids against (*args, labels=None, **kwargs)
         self.__signature__ = inspect.signature(original)
@@ -84,7 +86,7 @@ class _ChunkedLossForward:
         return_dict = kwargs.get("return_dict")
         if return_dict is None:  # as HF's can_return_tuple decides it: the config's, unless passed
             return_dict = getattr(getattr(model, "config", None), "return_dict", True)
-        if (labels is None or not model.training or not torch.is_grad_enabled() or not return_dict
+        if (labels is None or not model.training or not torch.is_grad_enabled() or not return_dict or self.whole_logits
                 or not (keep is None or (isinstance(keep, int) and keep == 0))):
             return self.original(*args, labels=labels, **kwargs)
         captured = []
@@ -106,7 +108,11 @@ class _ChunkedLossForward:
         if targets is None:
             targets = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         if hidden.shape[:-1] != targets.shape:  # the base model cut its output to logits_to_keep (Gemma 4's shared
-            # KV caches, say): the model's own forward and loss, whole logits, for this call
+            # KV caches, say): the model's own forward and loss, whole logits, for this and every later call (a
+            # second forward only this once)
+            self.whole_logits = True
+            warnings.warn(f"lpoptim chunked loss: {type(model).__name__}'s base model cuts its output to "
+                          "logits_to_keep; its own loss (whole logits) is used from now on", stacklevel=2)
             return self.original(*args, labels=labels, **kwargs)
         targets = targets.to(hidden.device)
         head = model.get_output_embeddings()

@@ -28,11 +28,17 @@ import torch
 # 128k x 4096 head took 24.6 ms forward and backward in chunks of 130 tokens and 17.9 ms in chunks of 256 (0.08 GiB
 # more at the peak); 152k x 3584: 28.8 against 19.9 ms; Gemma 2's 256k x 3584 with its softcap: 75.7 against 43.4.
 MIN_CHUNK_TOKENS = 256
+CHUNK_LOGITS_BYTES = 64 << 20
+
+
+def logits_chunk(vocab: int) -> int:
+    """Tokens whose fp32 logits take CHUNK_LOGITS_BYTES for a head of ``vocab`` outputs (at least 1)."""
+    return max(1, CHUNK_LOGITS_BYTES // (4 * vocab))
 
 
 def default_chunk(vocab: int) -> int:
-    """Tokens per chunk for a head of ``vocab`` outputs (MIN_CHUNK_TOKENS says why)."""
-    return max(MIN_CHUNK_TOKENS, (64 << 20) // (4 * vocab))
+    """Tokens per chunk for a head of ``vocab`` outputs: logits_chunk, but at least MIN_CHUNK_TOKENS (it says why)."""
+    return max(MIN_CHUNK_TOKENS, logits_chunk(vocab))
 
 
 def keeps_logits_grad(tokens: int, width: int, elem: int, same_dtype: bool) -> bool:
