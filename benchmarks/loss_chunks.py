@@ -1,6 +1,7 @@
-"""The chunked LM head + loss (lpoptim.nn.linear_cross_entropy) by chunk size, against the unfused head and loss:
-forward + backward time and the peak memory above the inputs and their gradients, on one GPU, bf16, for the heads
-of Gemma 2 9B (with its logit softcap), Llama 3 8B, Qwen2.5 7B and Llama 2 7B.
+"""The chunked LM head + loss (lpoptim.nn.linear_cross_entropy) by chunk size, against the unfused head and loss
+and against its own torch ops in place of the fused loss kernel (kernels/cross_entropy.py): forward + backward
+time and the peak memory above the inputs and their gradients, on one GPU, bf16, for the heads of Gemma 2 9B
+(with its logit softcap), Llama 3 8B, Qwen2.5 7B and Llama 2 7B.
 
     PYTHONPATH=$PWD python benchmarks/loss_chunks.py --out results/loss_chunks.json
 """
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lpoptim.bench import environment  # noqa: E402
+import lpoptim.nn.linear_cross_entropy as lce  # noqa: E402
 from lpoptim.nn.linear_cross_entropy import default_chunk, linear_cross_entropy, logits_chunk  # noqa: E402
 
 HEADS = {"gemma2-9b": (256000, 3584, 30.0), "llama3-8b": (128256, 4096, None), "qwen2.5-7b": (152064, 3584, None),
@@ -51,6 +53,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/loss_chunks.py needs a CUDA GPU")
     rows = []
+    kernel = lce.use_kernel
     for name, (vocab, width, cap) in HEADS.items():
         torch.manual_seed(0)
         h = (torch.randn(args.tokens, width, device="cuda", dtype=torch.bfloat16) * 0.5).requires_grad_()
@@ -63,14 +66,18 @@ def main(argv=None):
                 logits = torch.tanh(logits / cap) * cap
             return F.cross_entropy(logits.float(), t)
         old = logits_chunk(vocab)  # the chunk before the 256-token floor
-        for chunk in [None, *sorted({old, 128, 256, 512, 1024, args.tokens})]:
+        runs = [(None, "unfused"), (default_chunk(vocab), "torch ops")]
+        runs += [(c, "kernel") for c in sorted({old, 128, 256, 512, 1024, args.tokens})]
+        for chunk, path in runs:
             fn = unfused if chunk is None else (lambda c=chunk: linear_cross_entropy(h, w, t, chunk=c, softcap=cap))
+            lce.use_kernel = (lambda x: False) if path == "torch ops" else kernel
             seconds, peak = measure(fn, h, w)
-            label = "unfused" if chunk is None else f"chunk {chunk}" + (" (default)" if chunk == default_chunk(vocab)
-                                                                      else " (64 MiB)" if chunk == old else "")
-            rows.append(dict(head=name, vocab=vocab, width=width, softcap=cap, chunk=chunk, ms=seconds * 1e3,
-                             peak_gib=peak))
-            print(f"{name:11s} {label:20s} {seconds * 1e3:7.2f} ms  peak +{peak:.2f} GiB", flush=True)
+            lce.use_kernel = kernel
+            label = "unfused" if chunk is None else f"{path}, chunk {chunk}" + (
+                " (default)" if chunk == default_chunk(vocab) else " (64 MiB)" if chunk == old else "")
+            rows.append(dict(head=name, vocab=vocab, width=width, softcap=cap, chunk=chunk, path=path,
+                             ms=seconds * 1e3, peak_gib=peak))
+            print(f"{name:11s} {label:32s} {seconds * 1e3:7.2f} ms  peak +{peak:.2f} GiB", flush=True)
         h = w = t = None  # freed before the next head
         torch.cuda.empty_cache()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -213,3 +213,94 @@ def test_backward_scales_the_head_gradient_in_place():
     (loss * 0.0).backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="cannot be undone"):
         loss.backward()
+
+
+# The fused kernel (kernels/cross_entropy.py) that CUDA uses for each chunk: under Triton's interpreter on the CPU,
+# with CUDA the compiled kernel; against the torch path it replaces and the unfused head and loss.
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [0.0, 3.0])
+def test_kernel_rows_match_the_torch_chunk(dtype, softcap):
+    """Each row's loss and logits gradient against the torch path's, with ignored rows, a row of large logits, a
+    vocabulary that is not a multiple of the kernel's block, and a row holding a NaN (NaN loss, as the torch path)."""
+    from lpoptim.kernels import cross_entropy as kce
+
+    lce = importlib.import_module("lpoptim.nn.linear_cross_entropy")
+    g = torch.Generator().manual_seed(7)
+    rows, vocab = 9, kce.BLOCK + 37
+    logits = (4 * torch.randn(rows, vocab, generator=g)).to(dtype)
+    logits[2] *= 30  # a cap that bites, and exp(x - max) far below 1 for most of the row
+    logits[5, 11] = float("nan")
+    t = torch.randint(0, vocab, (rows,), generator=g)
+    t[1], t[8] = vocab - 1, 0  # the block's tail and the first column
+    valid = torch.ones(rows, dtype=torch.bool)
+    valid[[3, 7]] = False
+    per_row = torch.stack([_row_loss(logits[i].float(), t[i], valid[i], softcap) for i in range(rows)])
+    ref_loss = torch.zeros(())
+    ref_grad = lce._torch_chunk(logits.float().clone(), torch.where(valid, t, 0), valid, softcap, ref_loss, True)
+    assert ref_loss.isnan()  # the NaN row's
+    got, loss = logits.clone().to(KERNEL_DEVICE), torch.full((rows,), -1.0, device=KERNEL_DEVICE)
+    kce.cross_entropy_rows_(got, torch.where(valid, t, -1).to(KERNEL_DEVICE), loss, softcap)
+    got, loss = got.cpu(), loss.cpu()
+    assert loss[5].isnan() and per_row[5].isnan()
+    ok = torch.arange(rows) != 5
+    torch.testing.assert_close(loss[ok], per_row[ok], rtol=1e-5, atol=1e-5)
+    assert (loss[~valid] == 0).all()
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=0)
+    # bf16: the reference's gradient rounded to nearest even; the kernel's fp32 differs by ulps, so a rounding step
+    want = ref_grad.to(dtype)
+    if dtype == torch.bfloat16:
+        diff = (got[ok].float() - want[ok].float()).abs()
+        # (+1e-9: with a cap, the reference's 1 - tanh² cancels where the cap saturates; gradients there are tiny)
+        assert (diff <= want[ok].float().abs() * 2 ** -7 + (1e-9 if softcap else 1e-30)).all(), diff.max()
+    else:
+        torch.testing.assert_close(got[ok], want[ok], **tol)
+    assert (got[~valid] == 0).all() and got[5].isnan().any()
+    # loss only: the logits are left as they were
+    kept = logits.clone().to(KERNEL_DEVICE)
+    kce.cross_entropy_rows_(kept, torch.where(valid, t, -1).to(KERNEL_DEVICE), loss, softcap, want_grad=False)
+    assert torch.equal(kept.cpu().view(torch.uint8), logits.view(torch.uint8))  # bit for bit (a NaN too)
+
+
+def _row_loss(x, t, valid, softcap):
+    if softcap:
+        x = torch.tanh(x / softcap) * softcap
+    return torch.where(valid, torch.logsumexp(x, 0) - x[t], torch.zeros(()))
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_path_matches_the_torch_path(monkeypatch, dtype, softcap):
+    """linear_cross_entropy through the kernel (forced on the CPU) against its torch path and, in fp32, the unfused
+    head and loss: both of the forward's ways to the head's gradient (every token's logits gradient kept: bf16, few
+    tokens; an fp32 sum), ignored targets, chunks that do not divide the tokens, and a frozen head."""
+    lce = importlib.import_module("lpoptim.nn.linear_cross_entropy")
+    g = torch.Generator().manual_seed(8)
+    for tokens, chunk in ((24, 7), (100, 16)):  # kept logits gradients; an fp32 sum
+        h = (3 * torch.randn(tokens, 32, generator=g)).to(dtype).to(KERNEL_DEVICE).requires_grad_()
+        w = (0.3 * torch.randn(70, 32, generator=g)).to(dtype).to(KERNEL_DEVICE).requires_grad_()
+        t = torch.randint(0, 70, (tokens,), generator=g).to(KERNEL_DEVICE)
+        t[::5] = -100
+        if dtype == torch.float32:
+            logits = h @ w.t()
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
+            ref = F.cross_entropy(logits, t)
+        else:  # the same bf16 logits, the torch ops
+            monkeypatch.setattr(lce, "use_kernel", lambda h: False)
+            ref = linear_cross_entropy(h, w, t, chunk=chunk, softcap=softcap)
+        rh, rw = torch.autograd.grad(ref, (h, w))
+        monkeypatch.setattr(lce, "use_kernel", lambda h: True)
+        out = linear_cross_entropy(h, w, t, chunk=chunk, softcap=softcap)
+        fh, fw = torch.autograd.grad(out, (h, w))
+        assert fw.dtype == dtype
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        # bf16: the gradients the two paths round to bf16 differ by fp32 ulps, which flips a rounding here and there
+        tol = dict(rtol=1e-4, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -6, atol=2e-4)
+        torch.testing.assert_close(fh.float(), rh.float(), **tol)
+        torch.testing.assert_close(fw.float(), rw.float(), **tol)
+        frozen = w.detach()  # a frozen head: the hidden states' gradient alone
+        (fh2,) = torch.autograd.grad(linear_cross_entropy(h, frozen, t, chunk=chunk, softcap=softcap), (h,))
+        torch.testing.assert_close(fh2, fh, rtol=0, atol=0)

@@ -83,6 +83,32 @@ def addmm_accumulates_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
     return _ADDMM_FP32[key]
 
 
+def use_kernel(h: torch.Tensor) -> bool:
+    """The chunks' loss and logits gradient by kernels/cross_entropy.py (CUDA, eager); the torch ops otherwise
+    (under torch.compile Inductor fuses them)."""
+    return h.is_cuda and not torch.compiler.is_compiling()
+
+
+def _torch_chunk(logits, picks, valid, softcap: float, loss, want_grad: bool):
+    """A chunk's fp32 ``logits`` (overwritten): its loss added into ``loss``; returns d(its loss)/d(logits) in fp32
+    (where ``want_grad``, else None). The reference of kernels/cross_entropy.py."""
+    if softcap:  # as HF's Gemma 2: divided, tanh, multiplied (kept: tanh's derivative below)
+        capped = torch.tanh(logits.div_(softcap))
+        logits = capped * softcap
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, picks[:, None]).squeeze(1)
+    loss += torch.where(valid, lse - picked, 0.0).sum()
+    if not want_grad:
+        return None
+    # d(loss)/d(logits) = softmax - onehot, for the sum over this chunk (scaled by 1/count in backward)
+    g = logits.sub_(lse[:, None]).exp_()
+    g.scatter_add_(1, picks[:, None], torch.full_like(picked, -1.0)[:, None])
+    g.mul_(valid[:, None])
+    if softcap:  # d(c tanh(x / c))/dx = 1 - tanh^2
+        g.mul_(capped.mul_(capped).neg_().add_(1.0))
+    return g
+
+
 def _unscaled(ctx, grad_w: torch.Tensor) -> torch.Tensor:
     """The head gradient as the forward left it, for a retained graph's later backward: the first one scaled it in
     place (by ctx.applied), so it is divided out, which a zero or non-finite first scale made impossible (checked
@@ -118,28 +144,27 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 grads = torch.empty(h.shape[0], w.shape[0], dtype=h.dtype, device=h.device)
             else:
                 acc = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
+        want_grad = grad_h is not None or weight.requires_grad
+        kernel = use_kernel(h)
+        if kernel:  # every row's loss, summed once at the end; an ignored target as -1
+            from ..kernels.cross_entropy import cross_entropy_rows_
+            rows, kept = torch.empty(h.shape[0], dtype=torch.float32, device=h.device), torch.where(valid, t, -1)
         for s in range(0, h.shape[0], chunk):
-            hs, ts, vs = h[s:s + chunk], picks[s:s + chunk], valid[s:s + chunk]
-            logits = (hs @ w.t()).float()
-            if softcap:  # as HF's Gemma 2: divided, tanh, multiplied (kept: tanh's derivative below)
-                capped = torch.tanh(logits.div_(softcap))
-                logits = capped * softcap
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, ts[:, None]).squeeze(1)
-            loss += torch.where(vs, lse - picked, 0.0).sum()
-            if grad_h is None and not weight.requires_grad:
-                continue
-            # d(loss)/d(logits) = softmax - onehot, for the sum over this chunk (scaled by 1/count in backward)
-            g = logits.sub_(lse[:, None]).exp_()
-            g.scatter_add_(1, ts[:, None], torch.full_like(picked, -1.0)[:, None])
-            g.mul_(vs[:, None])
-            if softcap:  # d(c tanh(x / c))/dx = 1 - tanh^2
-                g.mul_(capped.mul_(capped).neg_().add_(1.0))
-            g = grads[s:s + chunk].copy_(g) if grads is not None else g.to(h.dtype)
+            hs = h[s:s + chunk]
+            if kernel:  # the logits in the compute dtype (where kept, in place), turned into their gradient
+                g = torch.matmul(hs, w.t(), out=grads[s:s + chunk]) if grads is not None else hs @ w.t()
+                cross_entropy_rows_(g, kept[s:s + chunk], rows[s:s + chunk], softcap, want_grad)
+            else:
+                g = _torch_chunk((hs @ w.t()).float(), picks[s:s + chunk], valid[s:s + chunk], softcap, loss,
+                                 want_grad)
+                if g is not None:
+                    g = grads[s:s + chunk].copy_(g) if grads is not None else g.to(h.dtype)
             if grad_h is not None:
                 torch.matmul(g, w, out=grad_h[s:s + chunk])
             if acc is not None:
                 _accumulate(acc, g.t(), hs)
+        if kernel:
+            loss = rows.sum()
         grad_w = None
         if grads is not None:
             grad_w = grads.t() @ h
