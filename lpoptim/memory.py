@@ -14,11 +14,11 @@ per block and one block's activations while it is replayed; with k of n blocks o
 (n - k + 1) / n of them (one block fetched back ahead). The LM head and loss: about 10 bytes per logit (the
 logits, their fp32 copy and softmax's gradient; 4 more with Gemma 2's logit softcap), or with the chunked loss the
 hidden states' gradient, the head's weight gradient, the smaller of the logits' gradient and an fp32 sum of the
-weight's, and a chunk's temporaries beyond those of 64 MiB chunks (the 256-token floor of large vocabularies).
+weight's, and a chunk's logits beyond those of 64 MiB chunks (the 256-token floor of large vocabularies).
 Then 1.2% for the allocator. On HF Llama shapes of 7B, 13B and 26B (1 x 1024 to 4 x 2048, 34 stacks, eager and
 compiled, FP8 and 4-bit states: docs/results/hf_llama2*.json, hf_llama_26b*.json) the estimate lay 0.03-0.93 GiB
 above the measured peak, never below it; on grouped-query shapes it was not calibrated on (Llama-3-8B,
-Qwen2.5-7B, Gemma-2-9B: 16 stacks) 0.62-2.03 GiB above. On other shapes treat it as an estimate: ``lpoptim bench
+Qwen2.5-7B, Gemma-2-9B: 16 stacks) 0.60-2.03 GiB above. On other shapes treat it as an estimate: ``lpoptim bench
 --hf-config`` measures the real peak.
 """
 from __future__ import annotations
@@ -129,10 +129,11 @@ def estimate_peak_bytes(model: nn.Module, blocks: nn.ModuleList, plan, tokens: i
             kept = keeps_logits_grad(tokens, d, elem, w_elem == elem)
             head_bytes = (tokens * d * elem + vocab * d * w_elem
                           + (tokens * vocab * elem if kept else vocab * d * 4 if w_elem < 4 else 0))
-            # a chunk's temporaries (its logits in the GEMM's dtype and in fp32, the gradient's copy; a softcap's
-            # tanh and capped logits): those of 64 MiB chunks are in the calibration, the 256-token floor's more not
+            # a chunk's logits in the GEMM's dtype, which CUDA's loss kernel turns into their gradient in place
+            # (none where the logits' gradient is kept: written there): those of 64 MiB chunks are in the
+            # calibration (made with the torch ops' fp32 temporaries too), the 256-token floor's more not
             extra = min(tokens, default_chunk(vocab)) - min(tokens, logits_chunk(vocab))
-            head_bytes += extra * vocab * (2 * elem + 4 + (8 if softcap else 0))
+            head_bytes += 0 if kept else extra * vocab * elem
         else:  # a softcap (Gemma 2's final_logit_softcapping) keeps tanh's output and a temporary of it too
             head_bytes = tokens * vocab * (elem + 8 + (2 * elem if softcap else 0))
     if plan.step_in_backward:

@@ -38,8 +38,8 @@ def _tanh_slope(y):
 
 
 @triton.jit
-def _ce_rows_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride, CAP: tl.constexpr, WANT_GRAD: tl.constexpr,
-                    BLOCK: tl.constexpr, ON_GPU: tl.constexpr):
+def _ce_rows_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride, CAP: tl.constexpr, HAS_CAP: tl.constexpr,
+                    WANT_GRAD: tl.constexpr, BLOCK: tl.constexpr, ON_GPU: tl.constexpr):
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride
     t = tl.load(targets_ptr + row)  # < 0: ignored
@@ -53,7 +53,7 @@ def _ce_rows_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride, CAP: tl.conste
         cols = v0 + offs
         inside = cols < V
         x = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
-        if CAP:
+        if HAS_CAP:
             x = CAP * _tanh(x / CAP)
         x = tl.where(inside, x, float("-inf"))  # past the row's end: nothing to the sum
         m_new = tl.maximum(m, x)  # (a NaN x is passed over: the sum below takes it)
@@ -61,13 +61,13 @@ def _ce_rows_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride, CAP: tl.conste
         # so the row's loss and gradient are NaN, as torch's
         empty = (m_new == float("-inf")) & (s == 0)
         s = tl.where(empty, 0.0, s * tl.exp(m - m_new) + tl.exp(x - m_new))
-        s = tl.where(x != x, float("nan"), s)
+        s = tl.where(x != x, x, s)  # (x is that NaN)
         m = m_new
     row_max = tl.max(m, axis=0)
     total = tl.sum(tl.where((m == float("-inf")) & (s == 0), 0.0, s * tl.exp(m - row_max)), axis=0)
     lse = row_max + tl.log(total)
     picked = tl.load(base + ti).to(tl.float32)
-    if CAP:
+    if HAS_CAP:
         picked = CAP * _tanh(picked / CAP)
     tl.store(loss_ptr + row, tl.where(valid, lse - picked, 0.0))
     if WANT_GRAD:
@@ -76,12 +76,12 @@ def _ce_rows_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride, CAP: tl.conste
             cols = v0 + offs
             inside = cols < V
             x = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
-            if CAP:
+            if HAS_CAP:
                 slope = _tanh_slope(x / CAP)
                 x = CAP * _tanh(x / CAP)
             g = tl.exp(x - lse) - tl.where(cols == ti, 1.0, 0.0)
             g = g * keep
-            if CAP:
+            if HAS_CAP:
                 g = g * slope
             store_as(base + cols, g, inside, logits_ptr.dtype.element_ty, ON_GPU)
 
@@ -94,8 +94,11 @@ def cross_entropy_rows_(logits: torch.Tensor, targets: torch.Tensor, loss: torch
     if logits.stride(1) != 1 or targets.shape != (rows,) or loss.shape != (rows,) or loss.dtype != torch.float32:
         raise ValueError(f"logits {tuple(logits.shape)} (rows contiguous), targets and fp32 loss of {rows} rows "
                          f"expected; got targets {tuple(targets.shape)}, loss {tuple(loss.shape)} {loss.dtype}")
+    if targets.device != logits.device or loss.device != logits.device:
+        raise ValueError(f"logits, targets and loss on one device; got {logits.device}, {targets.device}, "
+                         f"{loss.device}")
     if rows and vocab:
         block = min(BLOCK, next_power_of_2(vocab))
         launcher(_ce_rows_kernel)((rows,), logits, targets, loss, vocab, logits.stride(0), CAP=float(softcap),
-                                  WANT_GRAD=bool(want_grad), BLOCK=block, ON_GPU=not interpreted(),
-                                  num_warps=max(1, min(8, block // 512)))
+                                  HAS_CAP=bool(softcap), WANT_GRAD=bool(want_grad), BLOCK=block,
+                                  ON_GPU=not interpreted(), num_warps=max(1, min(8, block // 512)))

@@ -6,8 +6,10 @@ fp32 copy the loss is computed in and what cross_entropy saves for backward come
 logits, loss and gradients (with respect to the hidden states and, through the logits' gradient, the head's
 weight) at once, in forward, and the logits are dropped; backward only scales the stored gradients by the
 incoming one. What stays is one gradient of the hidden states (tokens x d, the compute dtype) and one of the weight
-(the weight's dtype) — the approach of Liger-Kernel's fused linear cross-entropy, in plain torch ops. The logits'
-gradient is kept whole, in the compute dtype, only where that is smaller than an fp32 sum of the weight's
+(the weight's dtype) — the approach of Liger-Kernel's fused linear cross-entropy. On CUDA a chunk's loss and
+logits gradient come from one Triton kernel (kernels/cross_entropy.py), which turns the logits into their gradient
+in place; on the CPU and under torch.compile, from torch ops (``_torch_chunk``, the kernel's reference). The
+logits' gradient is kept whole, in the compute dtype, only where that is smaller than an fp32 sum of the weight's
 gradient (few tokens), and only until the weight's gradient is taken from it.
 
 Numerics are F.cross_entropy's on fp32 logits (mean over targets that are not ``ignore_index``); the logits are
@@ -25,8 +27,8 @@ import torch
 
 # Tokens per chunk: about 64 MiB of fp32 logits, but at least MIN_CHUNK_TOKENS. With a large vocabulary 64 MiB is
 # a few dozen tokens, GEMMs too thin to run well: 2048 tokens, bf16, one H100 (benchmarks/loss_chunks.py), a
-# 128k x 4096 head took 24.6 ms forward and backward in chunks of 130 tokens and 17.9 ms in chunks of 256 (0.08 GiB
-# more at the peak); 152k x 3584: 28.8 against 19.9 ms; Gemma 2's 256k x 3584 with its softcap: 75.7 against 43.4.
+# 128k x 4096 head took 18.0 ms forward and backward in chunks of 130 tokens and 12.4 ms in chunks of 256 (whole
+# logits: 13.6); 152k x 3584: 21.7 against 13.7 ms; Gemma 2's 256k x 3584 with its softcap: 56.0 against 22.8.
 MIN_CHUNK_TOKENS = 256
 CHUNK_LOGITS_BYTES = 64 << 20
 
