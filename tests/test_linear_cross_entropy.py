@@ -306,3 +306,27 @@ def test_kernel_path_matches_the_torch_path(monkeypatch, dtype, softcap):
         frozen = w.detach()  # a frozen head: the hidden states' gradient alone
         (fh2,) = torch.autograd.grad(linear_cross_entropy(h, frozen, t, chunk=chunk, softcap=softcap), (h,))
         torch.testing.assert_close(fh2, fh, rtol=0, atol=0)
+
+
+def test_kernel_path_targets_out_of_range_give_nan(monkeypatch):
+    """A target past the vocabulary, or negative but not ignore_index, makes the loss NaN through the kernel
+    (the torch path raises on the CPU, and torch's cross-entropy stops a CUDA device): never another row's logit
+    or a silently ignored token; the other rows' gradients stay finite."""
+    from lpoptim.kernels import cross_entropy as kce
+
+    lce = importlib.import_module("lpoptim.nn.linear_cross_entropy")
+    monkeypatch.setattr(lce, "use_kernel", lambda h: True)
+    g = torch.Generator().manual_seed(9)
+    h = torch.randn(6, 16, generator=g).to(KERNEL_DEVICE).requires_grad_()
+    w = torch.randn(40, 16, generator=g).to(KERNEL_DEVICE).requires_grad_()
+    for bad in (40, 1000, -5):
+        t = torch.randint(0, 40, (6,), generator=g).to(KERNEL_DEVICE)
+        t[2] = bad
+        out = linear_cross_entropy(h, w, t, chunk=4)
+        assert out.isnan(), bad
+        (gh,) = torch.autograd.grad(out, (h,))
+        assert gh[2].isnan().all() and gh[[0, 1, 3, 4, 5]].isfinite().all()
+    logits = torch.randn(2, 40, generator=g).to(KERNEL_DEVICE)
+    loss = torch.zeros(2, device=KERNEL_DEVICE)
+    kce.cross_entropy_rows_(logits, torch.tensor([3, 40], device=KERNEL_DEVICE), loss)
+    assert loss[0].isfinite() and loss[1].isnan() and logits[1].isnan().all() and logits[0].isfinite().all()

@@ -44,7 +44,8 @@ def _ce_rows_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride, CAP: tl.conste
     base = logits_ptr + row.to(tl.int64) * stride
     t = tl.load(targets_ptr + row)  # < 0: ignored
     valid = t >= 0
-    ti = tl.maximum(t, 0)
+    known = t < V  # a target past the vocabulary makes the row's loss and gradient NaN (torch raises there)
+    ti = tl.minimum(tl.maximum(t, 0), V - 1)
     offs = tl.arange(0, BLOCK)
     # the running maximum and sum, per lane (one reduction at the end): exp(-inf - m) = 0 starts them
     m = tl.full((BLOCK,), float("-inf"), tl.float32)
@@ -69,9 +70,10 @@ def _ce_rows_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride, CAP: tl.conste
     picked = tl.load(base + ti).to(tl.float32)
     if HAS_CAP:
         picked = CAP * _tanh(picked / CAP)
-    tl.store(loss_ptr + row, tl.where(valid, lse - picked, 0.0))
+    tl.store(loss_ptr + row, tl.where(valid, tl.where(known, lse - picked, float("nan")), 0.0))
     if WANT_GRAD:
-        keep = valid.to(tl.float32)  # multiplied, as the reference does (a NaN row stays NaN)
+        # multiplied, as the reference does (a NaN row stays NaN)
+        keep = tl.where(valid, tl.where(known, 1.0, float("nan")), 0.0)
         for v0 in range(0, V, BLOCK):
             cols = v0 + offs
             inside = cols < V
@@ -89,7 +91,9 @@ def _ce_rows_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride, CAP: tl.conste
 def cross_entropy_rows_(logits: torch.Tensor, targets: torch.Tensor, loss: torch.Tensor, softcap: float = 0.0,
                         want_grad: bool = True) -> None:
     """Row i of 2-D ``logits`` (rows contiguous) against ``targets[i]`` (int64, < 0: ignored): its loss into
-    ``loss[i]`` (fp32) and, with ``want_grad``, d(its loss)/d(logits) over the logits themselves, in their dtype."""
+    ``loss[i]`` (fp32) and, with ``want_grad``, d(its loss)/d(logits) over the logits themselves, in their dtype.
+    A target at or past the vocabulary gives its row a NaN loss and gradient (checking on the host would wait for
+    the GPU; torch's cross-entropy stops the device there)."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1 or targets.shape != (rows,) or loss.shape != (rows,) or loss.dtype != torch.float32:
         raise ValueError(f"logits {tuple(logits.shape)} (rows contiguous), targets and fp32 loss of {rows} rows "

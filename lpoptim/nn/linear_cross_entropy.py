@@ -148,9 +148,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 acc = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
         want_grad = grad_h is not None or weight.requires_grad
         kernel = use_kernel(h)
-        if kernel:  # every row's loss, summed once at the end; an ignored target as -1
+        if kernel:  # every row's loss, summed once at the end; an ignored target as -1, a negative one that is
+            # not ignored as the vocabulary's size (out of range: its row's loss is NaN)
             from ..kernels.cross_entropy import cross_entropy_rows_
-            rows, kept = torch.empty(h.shape[0], dtype=torch.float32, device=h.device), torch.where(valid, t, -1)
+            rows = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+            kept = torch.where(valid, torch.where(t < 0, w.shape[0], t), -1)
         for s in range(0, h.shape[0], chunk):
             hs = h[s:s + chunk]
             if kernel:  # the logits in the compute dtype (where kept, in place), turned into their gradient
