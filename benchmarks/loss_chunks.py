@@ -72,8 +72,10 @@ def main(argv=None):
         for chunk, path in runs:
             fn = unfused if chunk is None else (lambda c=chunk: linear_cross_entropy(h, w, t, chunk=c, softcap=cap))
             lce.use_kernel = (lambda x: False) if path == "torch ops" else kernel
-            seconds, peak = measure(fn, h, w)
-            lce.use_kernel = kernel
+            try:
+                seconds, peak = measure(fn, h, w)
+            finally:
+                lce.use_kernel = kernel
             label = "unfused" if chunk is None else f"{path}, chunk {chunk}" + (
                 " (default)" if chunk == default_chunk(vocab) else " (64 MiB)" if chunk == old else "")
             rows.append(dict(head=name, vocab=vocab, width=width, softcap=cap, chunk=chunk, path=path,

@@ -257,7 +257,7 @@ def test_kernel_rows_match_the_torch_chunk(dtype, softcap):
         assert (diff <= want[ok].float().abs() * 2 ** -7 + (1e-9 if softcap else 1e-30)).all(), diff.max()
     else:
         torch.testing.assert_close(got[ok], want[ok], **tol)
-    assert (got[~valid] == 0).all() and got[5].isnan().any()
+    assert (got[~valid] == 0).all() and got[5].isnan().all()
     # loss only: the logits are left as they were
     kept = logits.clone().to(KERNEL_DEVICE)
     again = torch.full((rows,), -1.0, device=KERNEL_DEVICE)
@@ -330,3 +330,43 @@ def test_kernel_path_targets_out_of_range_give_nan(monkeypatch):
     loss = torch.zeros(2, device=KERNEL_DEVICE)
     kce.cross_entropy_rows_(logits, torch.tensor([3, 40], device=KERNEL_DEVICE), loss)
     assert loss[0].isfinite() and loss[1].isnan() and logits[1].isnan().all() and logits[0].isfinite().all()
+
+
+def test_kernel_path_edges(monkeypatch):
+    """Through the kernel (forced on the CPU) as through the torch ops: hidden states without gradient and a
+    trainable head, a forward without grad, fp16, and an all -inf row (zero probability where the others are -inf);
+    targets that are strided or not int64 are refused by the kernel's wrapper."""
+    from lpoptim.kernels import cross_entropy as kce
+
+    lce = importlib.import_module("lpoptim.nn.linear_cross_entropy")
+    g = torch.Generator().manual_seed(10)
+    h = torch.randn(12, 16, generator=g).to(KERNEL_DEVICE)
+    w = torch.randn(40, 16, generator=g).to(KERNEL_DEVICE).requires_grad_()
+    t = torch.randint(0, 40, (12,), generator=g).to(KERNEL_DEVICE)
+    results = {}
+    for kernel in (False, True):
+        monkeypatch.setattr(lce, "use_kernel", lambda x, k=kernel: k)
+        out = linear_cross_entropy(h, w, t, chunk=5)
+        (gw,) = torch.autograd.grad(out, (w,))
+        with torch.no_grad():
+            frozen = linear_cross_entropy(h, w, t, chunk=5)
+        half = linear_cross_entropy(h.half(), w.detach().half(), t, chunk=5) if KERNEL_DEVICE == "cuda" else None
+        results[kernel] = (out, gw, frozen, half)
+    for a, b in zip(results[False], results[True]):
+        if a is not None:
+            torch.testing.assert_close(a.float(), b.float(), rtol=1e-4, atol=1e-5)
+    logits = torch.full((2, 40), float("-inf"))
+    logits[0, 3] = 1.0  # a row with one finite logit: all its probability there
+    logits[1, ::2] = torch.randn(20, generator=g)  # half of a row -inf
+    ref_loss = torch.zeros(())
+    ref = lce._torch_chunk(logits.clone(), torch.tensor([3, 4]), torch.tensor([True, True]), 0.0, ref_loss, True)
+    got, loss = logits.to(KERNEL_DEVICE), torch.zeros(2, device=KERNEL_DEVICE)
+    kce.cross_entropy_rows_(got, torch.tensor([3, 4], device=KERNEL_DEVICE), loss)
+    assert loss[0] == 0 and (got[0] == 0).all()
+    torch.testing.assert_close(loss.sum().cpu(), ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.cpu(), ref, rtol=1e-5, atol=1e-6)
+    rows = torch.zeros(2, 40, device=KERNEL_DEVICE)
+    for bad in (torch.tensor([[1, 2], [3, 4]], device=KERNEL_DEVICE)[:, 0], torch.tensor([1, 2], device=KERNEL_DEVICE,
+                                                                                          dtype=torch.int32)):
+        with pytest.raises(ValueError, match="contiguous int64 targets"):
+            kce.cross_entropy_rows_(rows, bad, torch.zeros(2, device=KERNEL_DEVICE))

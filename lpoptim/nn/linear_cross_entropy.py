@@ -27,8 +27,8 @@ import torch
 
 # Tokens per chunk: about 64 MiB of fp32 logits, but at least MIN_CHUNK_TOKENS. With a large vocabulary 64 MiB is
 # a few dozen tokens, GEMMs too thin to run well: 2048 tokens, bf16, one H100 (benchmarks/loss_chunks.py), a
-# 128k x 4096 head took 18.0 ms forward and backward in chunks of 130 tokens and 12.4 ms in chunks of 256 (whole
-# logits: 13.6); 152k x 3584: 21.7 against 13.7 ms; Gemma 2's 256k x 3584 with its softcap: 56.0 against 22.8.
+# 128k x 4096 head took 18.6 ms forward and backward in chunks of 130 tokens and 12.6 ms in chunks of 256 (whole
+# logits: 13.1); 152k x 3584: 22.2 against 13.6 ms; Gemma 2's 256k x 3584 with its softcap: 57.3 against 23.2.
 MIN_CHUNK_TOKENS = 256
 CHUNK_LOGITS_BYTES = 64 << 20
 
@@ -133,7 +133,6 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         valid = t != ignore_index
         picks = torch.where(valid, t, 0)  # an ignored target indexes nothing (ignore_index may be >= 0)
         count = valid.sum().clamp_min(1).float()  # a device tensor: no host sync
-        loss = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if hidden.requires_grad else None
         # The head's gradient is sum_chunks g^T h. For a bf16/fp16 head computed in its own dtype, every token's
         # logits gradient kept whole takes one GEMM at the end, rounded once, where that is smaller than the fp32
@@ -151,13 +150,15 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if kernel:  # every row's loss, summed once at the end; an ignored target as -1, a negative one that is
             # not ignored as the vocabulary's size (out of range: its row's loss is NaN)
             from ..kernels.cross_entropy import cross_entropy_rows_
-            rows = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
-            kept = torch.where(valid, torch.where(t < 0, w.shape[0], t), -1)
+            row_losses = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+            kernel_targets = torch.where(valid, torch.where(t < 0, w.shape[0], t), -1)
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=h.device)
         for s in range(0, h.shape[0], chunk):
             hs = h[s:s + chunk]
             if kernel:  # the logits in the compute dtype (where kept, in place), turned into their gradient
                 g = torch.matmul(hs, w.t(), out=grads[s:s + chunk]) if grads is not None else hs @ w.t()
-                cross_entropy_rows_(g, kept[s:s + chunk], rows[s:s + chunk], softcap, want_grad)
+                cross_entropy_rows_(g, kernel_targets[s:s + chunk], row_losses[s:s + chunk], softcap, want_grad)
             else:
                 g = _torch_chunk((hs @ w.t()).float(), picks[s:s + chunk], valid[s:s + chunk], softcap, loss,
                                  want_grad)
@@ -168,7 +169,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if acc is not None:
                 _accumulate(acc, g.t(), hs)
         if kernel:
-            loss = rows.sum()
+            loss = row_losses.sum()
         grad_w = None
         if grads is not None:
             grad_w = grads.t() @ h
