@@ -370,3 +370,23 @@ def test_kernel_path_edges(monkeypatch):
                                                                                           dtype=torch.int32)):
         with pytest.raises(ValueError, match="contiguous int64 targets"):
             kce.cross_entropy_rows_(rows, bad, torch.zeros(2, device=KERNEL_DEVICE))
+
+
+def test_default_chunk_in_place(monkeypatch):
+    """The default chunk: 64 MiB of fp32 logits and at least 256 tokens, or at least 1024 where CUDA's kernel writes
+    each chunk's logits into the kept logits gradient (a bf16 head with few tokens), which makes no temporaries;
+    the torch path and the fp32 sum of the head's gradient keep the 256-token floor."""
+    lce = importlib.import_module("lpoptim.nn.linear_cross_entropy")
+    assert lce.default_chunk(128256) == 256 and lce.default_chunk(128256, in_place=True) == 1024
+    assert lce.default_chunk(1000, in_place=True) == lce.default_chunk(1000) == lce.logits_chunk(1000)
+    asked = []
+    real = lce.default_chunk
+    monkeypatch.setattr(lce, "default_chunk", lambda vocab, in_place=False: asked.append(in_place) or real(vocab))
+    g = torch.Generator().manual_seed(11)
+    for kernel, dtype, want in ((True, torch.bfloat16, True), (True, torch.float32, False),
+                                (False, torch.bfloat16, False)):
+        monkeypatch.setattr(lce, "use_kernel", lambda x, k=kernel: k)
+        h = torch.randn(8, 16, generator=g).to(dtype).to(KERNEL_DEVICE).requires_grad_()
+        w = torch.randn(40, 16, generator=g).to(dtype).to(KERNEL_DEVICE).requires_grad_()
+        linear_cross_entropy(h, w, torch.randint(0, 40, (8,), generator=g).to(KERNEL_DEVICE))
+        assert asked.pop() is want, (kernel, dtype)

@@ -27,10 +27,14 @@ import torch
 
 # Tokens per chunk: about 64 MiB of fp32 logits, but at least MIN_CHUNK_TOKENS. With a large vocabulary 64 MiB is
 # a few dozen tokens, GEMMs too thin to run well: 2048 tokens, bf16, one H100 (benchmarks/loss_chunks.py), a
-# 128k x 4096 head took 18.6 ms forward and backward in chunks of 130 tokens and 12.6 ms in chunks of 256 (whole
-# logits: 13.1); 152k x 3584: 22.2 against 13.6 ms; Gemma 2's 256k x 3584 with its softcap: 57.3 against 23.2.
+# 128k x 4096 head took 18.4 ms forward and backward in chunks of 130 tokens and 12.5 ms in chunks of 256 (whole
+# logits: 13.4); 152k x 3584: 22.0 against 13.4 ms; Gemma 2's 256k x 3584 with its softcap: 57.2 against 22.6.
 MIN_CHUNK_TOKENS = 256
 CHUNK_LOGITS_BYTES = 64 << 20
+# Where the kernel writes each chunk's logits into the kept logits gradient (keeps_logits_grad, on CUDA) a chunk
+# makes no temporaries, so its size costs no memory: chunks of 1024 tokens ran 5-9% faster than 256 on the heads
+# above (benchmarks/loss_chunks.py; 21.4 against 22.6 ms on Gemma 2's), 2048 within 2% of 1024.
+IN_PLACE_CHUNK_TOKENS = 1024
 
 
 def logits_chunk(vocab: int) -> int:
@@ -38,9 +42,10 @@ def logits_chunk(vocab: int) -> int:
     return max(1, CHUNK_LOGITS_BYTES // (4 * vocab))
 
 
-def default_chunk(vocab: int) -> int:
-    """Tokens per chunk for a head of ``vocab`` outputs: logits_chunk, but at least MIN_CHUNK_TOKENS (it says why)."""
-    return max(MIN_CHUNK_TOKENS, logits_chunk(vocab))
+def default_chunk(vocab: int, in_place: bool = False) -> int:
+    """Tokens per chunk for a head of ``vocab`` outputs: logits_chunk, but at least MIN_CHUNK_TOKENS (it says why),
+    or IN_PLACE_CHUNK_TOKENS where the chunks' logits are written in place (``in_place``)."""
+    return max(IN_PLACE_CHUNK_TOKENS if in_place else MIN_CHUNK_TOKENS, logits_chunk(vocab))
 
 
 def keeps_logits_grad(tokens: int, width: int, elem: int, same_dtype: bool) -> bool:
@@ -147,6 +152,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 acc = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
         want_grad = grad_h is not None or weight.requires_grad
         kernel = use_kernel(h)
+        chunk = chunk or default_chunk(w.shape[0], in_place=kernel and grads is not None)
         if kernel:  # every row's loss, summed once at the end; an ignored target as -1, a negative one that is
             # not ignored as the vocabulary's size (out of range: its row's loss is NaN)
             from ..kernels.cross_entropy import cross_entropy_rows_
@@ -217,7 +223,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
                          softcap: float | None = None) -> torch.Tensor:
     """``F.cross_entropy((hidden @ weight.T).float().view(-1, V), targets.view(-1))`` without the logits.
 
-    ``chunk``: tokens per chunk (default: ``default_chunk``, about 64 MiB of fp32 logits and at least 256 tokens).
+    ``chunk``: tokens per chunk (default: ``default_chunk``, about 64 MiB of fp32 logits and at least 256 tokens;
+    1024 where CUDA's kernel writes the logits into their kept gradient).
     ``softcap``: the loss of ``softcap * tanh(logits / softcap)`` (Gemma 2's final_logit_softcapping); None or 0:
     none."""
     if hidden.shape[:-1] != targets.shape:
@@ -229,6 +236,5 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         raise ValueError(f"softcap must be a positive finite number, 0 or None, got {softcap!r}")
     if torch.is_autocast_enabled(hidden.device.type):  # the head's GEMM in autocast's dtype, as nn.Linear
         hidden = hidden.to(torch.get_autocast_dtype(hidden.device.type))
-    chunk = chunk or default_chunk(weight.shape[0])
     with torch.autocast(hidden.device.type, enabled=False):
-        return LinearCrossEntropyFunction.apply(hidden, weight, targets, chunk, ignore_index, float(softcap or 0))
+        return LinearCrossEntropyFunction.apply(hidden, weight, targets, chunk or 0, ignore_index, float(softcap or 0))
