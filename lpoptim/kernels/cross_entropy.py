@@ -40,6 +40,19 @@ def _capped(x, CAP: tl.constexpr):
 
 
 @triton.jit
+def _logits_block(base, v0, offs, V, CAP: tl.constexpr, HAS_CAP: tl.constexpr):
+    """Columns v0 + offs of a row: (the columns, which lie in the row, the logits in fp32 and capped where HAS_CAP,
+    the cap's slope there: 1 without a cap)."""
+    cols = v0 + offs
+    inside = cols < V
+    x = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
+    slope = tl.full(x.shape, 1.0, tl.float32)
+    if HAS_CAP:
+        x, slope = _capped(x, CAP)
+    return cols, inside, x, slope
+
+
+@triton.jit
 def _ce_rows_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride, CAP: tl.constexpr, HAS_CAP: tl.constexpr,
                     WANT_GRAD: tl.constexpr, BLOCK: tl.constexpr, ON_GPU: tl.constexpr):
     row = tl.program_id(0)
@@ -52,11 +65,7 @@ def _ce_rows_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride, CAP: tl.conste
     m = tl.full((), float("-inf"), tl.float32)  # the running maximum and the sum of exp(x - m) so far
     s = tl.full((), 0.0, tl.float32)
     for v0 in range(0, V, BLOCK):
-        cols = v0 + offs
-        inside = cols < V
-        x = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
-        if HAS_CAP:
-            x, _ = _capped(x, CAP)
+        _, inside, x, _ = _logits_block(base, v0, offs, V, CAP, HAS_CAP)
         x = tl.where(inside, x, float("-inf"))  # past the row's end: nothing to the sum
         # (the maximum passes a NaN over; exp(NaN - m) then makes the sum NaN for good, as the reference's)
         m_new = tl.maximum(m, tl.max(x, axis=0))
@@ -72,11 +81,7 @@ def _ce_rows_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride, CAP: tl.conste
         # multiplied, as the reference does (a NaN row stays NaN)
         keep = tl.where(valid, tl.where(known, 1.0, float("nan")), 0.0)
         for v0 in range(0, V, BLOCK):
-            cols = v0 + offs
-            inside = cols < V
-            x = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
-            if HAS_CAP:
-                x, slope = _capped(x, CAP)
+            cols, inside, x, slope = _logits_block(base, v0, offs, V, CAP, HAS_CAP)
             g = (tl.exp(x - lse) - tl.where(cols == ti, 1.0, 0.0)) * keep
             if HAS_CAP:
                 g = g * slope
