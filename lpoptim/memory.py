@@ -123,7 +123,6 @@ def estimate_peak_bytes(model: nn.Module, blocks: nn.ModuleList, plan, tokens: i
     if isinstance(head, nn.Linear):
         vocab, d = head.weight.shape
         w_elem = head.weight.element_size()
-        softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
         if plan.chunked_loss:  # the hidden states' and the weight's gradients, and the logits' gradient kept whole
             # or an fp32 sum of the weight's (nn/linear_cross_entropy.py; an fp32 head's sum is its gradient)
             kept = keeps_logits_grad(tokens, d, elem, w_elem == elem)
@@ -135,6 +134,7 @@ def estimate_peak_bytes(model: nn.Module, blocks: nn.ModuleList, plan, tokens: i
             extra = min(tokens, default_chunk(vocab)) - min(tokens, logits_chunk(vocab))
             head_bytes += 0 if kept else extra * vocab * elem
         else:  # a softcap (Gemma 2's final_logit_softcapping) keeps tanh's output and a temporary of it too
+            softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
             head_bytes = tokens * vocab * (elem + 8 + (2 * elem if softcap else 0))
     if plan.step_in_backward:
         transient = activations + head_bytes + min(BUCKET_BYTES, sum(grads)) + max(grads)

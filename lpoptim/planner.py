@@ -108,9 +108,10 @@ MAX_OFFLOAD_FRACTION = 0.7
 # (LowBitLinear.min_tokens): a weight is quantized once a call whatever the tokens, and narrow GEMMs gain little from
 # FP8. HF shapes, compiled blocks, step in backward, one H100, tokens/s of FP8 linears (every layer of the blocks)
 # against the same step's bf16 GEMMs (docs/prepare.md): width 4096 (Llama-2-7B) 0.91x at 1 x 1024 tokens, 1.03x at
-# 1 x 1536, 1.13x at 1 x 2048; 4096 (Llama-3-8B) 1.06x at 1 x 1536, 1.09x at 1 x 2048; 3584 (Qwen2.5-7B) 1.07x at
-# 1 x 1536, 1.11x at 1 x 2048; 3584 (Gemma-2-9B) 0.98-1.02x at 1 x 2048, 3.5 GiB lighter; 3072 (Llama-3.2-3B)
-# 0.99-1.02x at 1 x 2048; 2048 (TinyLlama-1.1B) 0.65x at 1 x 2048, 0.69x at 1 x 4096.
+# 1 x 1536, 1.13x at 1 x 2048; 4096 (Llama-3-8B) 1.06x at 1 x 1536, 1.14x at 1 x 2048; 3584 (Qwen2.5-7B) 1.01x at
+# 1 x 1536, 1.15x at 1 x 2048; 3584 (Gemma-2-9B) 1.05x at 1 x 2048, 3.5 GiB lighter; 3072 (Llama-3.2-3B)
+# 0.99-1.02x at 1 x 2048; 2048 (TinyLlama-1.1B) 0.65x at 1 x 2048, 0.69x at 1 x 4096. On one H200 Llama-2-7B's
+# break-even lies a little later (0.95-0.98x at 1 x 1536, 1.12-1.14x at 1 x 2048): the same rule there.
 LINEARS_MIN_FEATURES = 3584
 LINEARS_MIN_TOKENS = 1536
 

@@ -136,7 +136,6 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         t = targets.reshape(-1)
         w = weight.to(h.dtype)  # the compute dtype: bf16 under autocast, as nn.Linear would run
         valid = t != ignore_index
-        picks = torch.where(valid, t, 0)  # an ignored target indexes nothing (ignore_index may be >= 0)
         count = valid.sum().clamp_min(1).float()  # a device tensor: no host sync
         grad_h = torch.empty_like(h) if hidden.requires_grad else None
         # The head's gradient is sum_chunks g^T h. For a bf16/fp16 head computed in its own dtype, every token's
@@ -160,6 +159,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             kernel_targets = torch.where(valid, torch.where(t < 0, w.shape[0], t), -1)
         else:
             loss = torch.zeros((), dtype=torch.float32, device=h.device)
+            picks = torch.where(valid, t, 0)  # an ignored target indexes nothing (ignore_index may be >= 0)
         for s in range(0, h.shape[0], chunk):
             hs = h[s:s + chunk]
             if kernel:  # the logits in the compute dtype (where kept, in place), turned into their gradient
