@@ -55,7 +55,9 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
 - ``chunked_loss``: an HF causal LM's training loss computed without its whole logits (nn/causal_lm_loss.py).
   Auto: where the model allows it.
 - HF models: ``config.use_cache`` is turned off (a KV cache built in training costs memory, breaks recompute
-  and makes compiled blocks recompile).
+  and makes compiled blocks recompile). HF causal LMs: the packed-sequence check of their causal mask, a host
+  sync at the start of every forward, is answered without one in calls that leave the positions to the model
+  (nn/packed_check.py), so the host can queue the next step while the GPU finishes this one.
 - ``max_memory_gib``: a budget for the training step's peak (or ``max_memory_fraction``: that fraction of the
   GPU's total memory, as ``torch.cuda.get_device_properties`` gives it). With ``tokens`` (batch x sequence length
   per step) the plan takes the fastest candidate whose estimated peak fits (lpoptim/memory.py) and raises,
@@ -90,6 +92,7 @@ from .memory import estimate_peak_bytes
 from .nn import LowBitLinear, convert_linears
 from .nn.convert import conversion_targets, has_wide_linear, is_fsdp_unit, wide_linears, width_label
 from .nn.causal_lm_loss import chunk_causal_lm_loss, restore_causal_lm_loss, why_not
+from .nn import packed_check
 from .nn.recipes import DEFAULT_RECIPE, RECIPES
 from .optim import AdamW
 from .optim.adamw import LPOPTIM_DEFAULTS, _is_real
@@ -128,6 +131,7 @@ class Plan:
     chunked_loss: bool
     bf16_stochastic_round: bool
     use_cache_off: bool
+    packed_check_skipped: bool = False  # HF's packed-sequence check answered without a host sync (packed_check.py)
     state_bits: int = 8  # the optimizer's (an optimizer argument; the estimate counts its states)
     cuda_graphs: bool = False  # the compiled blocks as CUDA graphs (mode "reduce-overhead")
     min_quant_numel: int = 4096  # the optimizer's too
@@ -183,7 +187,9 @@ class Plan:
                 ("chunked_loss", "yes" if self.chunked_loss else "no"),
                 ("bf16_stochastic_round", "yes" if self.bf16_stochastic_round else "no"),
                 ("state_bits", str(self.state_bits)),
-                ("use_cache", "turned off" if self.use_cache_off else "unchanged")]
+                ("use_cache", "turned off" if self.use_cache_off else "unchanged"),
+                ("packed_check", "no host sync where the model makes the positions" if self.packed_check_skipped
+                 else "unchanged")]
         lines = ["lpoptim.prepare:"]
         for key, value in rows:
             why = self.reasons.get(key)
@@ -552,12 +558,14 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
 
     config = getattr(hf, "config", None)
     use_cache_off = bool(getattr(config, "use_cache", False))
+    packed_check_skipped = packed_check.why_not(hf) is None
     bf16 = any(p.dtype == torch.bfloat16 for p in params)
     result = Plan(blocks=name, n_blocks=len(stack), linears=linears, activations=activation_choices[0],
                   offload_blocks=offload_choices[0],
                   compile=bool(compile), cuda_graphs=cuda_graphs, step_in_backward=bool(step_in_backward),
                   chunked_loss=bool(chunked_loss),
-                  bf16_stochastic_round=bf16, use_cache_off=use_cache_off, state_bits=state_bits,
+                  bf16_stochastic_round=bf16, use_cache_off=use_cache_off,
+                  packed_check_skipped=packed_check_skipped, state_bits=state_bits,
                   min_quant_numel=min_quant_numel, group_size=group_size, hf_checkpointing=_hf_checkpointing(hf),
                   linears_min_features=min_features if linears else 0,
                   linears_min_tokens=min_tokens if linears else 0, reasons=reasons, model=model)
@@ -684,6 +692,8 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
         result.handles.append(offload_activations(stack, result.offload_blocks))
     if result.chunked_loss:
         chunk_causal_lm_loss(_unwrapped(model))
+    if result.packed_check_skipped:
+        result.handles.append(packed_check.skip_packed_check(_unwrapped(model)))
     if result.step_in_backward:
         result.handles.append(fuse_step_into_backward(opt, require_step=True))
     opt.plan = result
