@@ -55,9 +55,10 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
 - ``chunked_loss``: an HF causal LM's training loss computed without its whole logits (nn/causal_lm_loss.py).
   Auto: where the model allows it.
 - HF models: ``config.use_cache`` is turned off (a KV cache built in training costs memory, breaks recompute
-  and makes compiled blocks recompile). HF causal LMs: the packed-sequence check of their causal mask, a host
-  sync at the start of every forward, is answered without one in calls that leave the positions to the model
-  (nn/packed_check.py), so the host can queue the next step while the GPU finishes this one.
+  and makes compiled blocks recompile).
+- ``packed_check``: an HF causal LM's packed-sequence check, a host sync at the start of every forward, answered
+  without one in calls that leave the positions to the model (nn/packed_check.py), so that the host can queue the
+  next step while the GPU finishes this one. Auto: where the model allows it.
 - ``max_memory_gib``: a budget for the training step's peak (or ``max_memory_fraction``: that fraction of the
   GPU's total memory, as ``torch.cuda.get_device_properties`` gives it). With ``tokens`` (batch x sequence length
   per step) the plan takes the fastest candidate whose estimated peak fits (lpoptim/memory.py) and raises,
@@ -92,7 +93,8 @@ from .memory import estimate_peak_bytes
 from .nn import LowBitLinear, convert_linears
 from .nn.convert import conversion_targets, has_wide_linear, is_fsdp_unit, wide_linears, width_label
 from .nn.causal_lm_loss import chunk_causal_lm_loss, restore_causal_lm_loss, why_not
-from .nn import packed_check
+from .nn.packed_check import skip_packed_check
+from .nn.packed_check import why_not as why_not_packed
 from .nn.recipes import DEFAULT_RECIPE, RECIPES
 from .optim import AdamW
 from .optim.adamw import LPOPTIM_DEFAULTS, _is_real
@@ -131,7 +133,7 @@ class Plan:
     chunked_loss: bool
     bf16_stochastic_round: bool
     use_cache_off: bool
-    packed_check_skipped: bool = False  # HF's packed-sequence check answered without a host sync (packed_check.py)
+    packed_check: bool = False  # HF's packed-sequence check answered without a host sync (nn/packed_check.py)
     state_bits: int = 8  # the optimizer's (an optimizer argument; the estimate counts its states)
     cuda_graphs: bool = False  # the compiled blocks as CUDA graphs (mode "reduce-overhead")
     min_quant_numel: int = 4096  # the optimizer's too
@@ -157,7 +159,8 @@ class Plan:
         return dict(blocks=self.blocks, linears=self.linears, linears_min_features=self.linears_min_features,
                     linears_min_tokens=self.linears_min_tokens, activations=self.activations, compile=self.compile,
                     cuda_graphs=self.cuda_graphs, step_in_backward=self.step_in_backward, chunked_loss=self.chunked_loss,
-                    offload=self.offload_blocks, state_bits=self.state_bits, min_quant_numel=self.min_quant_numel,
+                    offload=self.offload_blocks, packed_check=self.packed_check, state_bits=self.state_bits,
+                    min_quant_numel=self.min_quant_numel,
                     group_size=self.group_size)
 
     @property
@@ -188,7 +191,7 @@ class Plan:
                 ("bf16_stochastic_round", "yes" if self.bf16_stochastic_round else "no"),
                 ("state_bits", str(self.state_bits)),
                 ("use_cache", "turned off" if self.use_cache_off else "unchanged"),
-                ("packed_check", "no host sync where the model makes the positions" if self.packed_check_skipped
+                ("packed_check", "no host sync where the model makes the positions" if self.packed_check
                  else "unchanged")]
         lines = ["lpoptim.prepare:"]
         for key, value in rows:
@@ -440,8 +443,8 @@ def _check_cuda_graphs(compile, cuda: bool, activations, params, hf_checkpointin
 
 
 def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compile=AUTO, cuda_graphs=False,
-         step_in_backward=AUTO, chunked_loss=AUTO, offload=AUTO, max_memory_gib: float | None = None,
-         max_memory_fraction: float | None = None, tokens: int | None = None,
+         step_in_backward=AUTO, chunked_loss=AUTO, offload=AUTO, packed_check=AUTO,
+         max_memory_gib: float | None = None, max_memory_fraction: float | None = None, tokens: int | None = None,
          linears_min_features: int | None = None, linears_min_tokens: int | None = None,
          state_bits: int = 8, min_quant_numel: int = 4096, group_size: int = 128) -> Plan:
     """What ``prepare`` would do to ``model`` with these options, and why; changes nothing."""
@@ -453,7 +456,8 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
         raise ValueError(f"lpoptim.prepare: activations={activations!r}; an activation budget is in (0, 1)")
     if not budget:
         _check_choice("activations", activations, (*ACTIVATIONS, False))
-    for name, value in (("compile", compile), ("step_in_backward", step_in_backward), ("chunked_loss", chunked_loss)):
+    for name, value in (("compile", compile), ("step_in_backward", step_in_backward), ("chunked_loss", chunked_loss),
+                        ("packed_check", packed_check)):
         _check_choice(name, value, (True, False))
     if not isinstance(cuda_graphs, bool):
         raise ValueError(f"lpoptim.prepare: cuda_graphs is True or False, got {cuda_graphs!r}")
@@ -537,6 +541,12 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
         why = why_not(hf)
         if why:
             raise ValueError(f"lpoptim.prepare: chunked_loss=True, but {why}")
+    why = why_not_packed(hf) if packed_check in (AUTO, True) else None
+    if packed_check is True and why:
+        raise ValueError(f"lpoptim.prepare: packed_check=True, but {why}")
+    if packed_check == AUTO:
+        packed_check = why is None
+        reasons["packed_check"] = "no host sync at each forward" if why is None else why
     if _hf_checkpointing(hf) and activations in (AUTO, *ACTIVATIONS[1:]):
         if activations != AUTO:
             what = "FP8 recompute replaces" if activations == "recompute" else "FP8 activations replace"
@@ -558,14 +568,13 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
 
     config = getattr(hf, "config", None)
     use_cache_off = bool(getattr(config, "use_cache", False))
-    packed_check_skipped = packed_check.why_not(hf) is None
     bf16 = any(p.dtype == torch.bfloat16 for p in params)
     result = Plan(blocks=name, n_blocks=len(stack), linears=linears, activations=activation_choices[0],
                   offload_blocks=offload_choices[0],
                   compile=bool(compile), cuda_graphs=cuda_graphs, step_in_backward=bool(step_in_backward),
                   chunked_loss=bool(chunked_loss),
                   bf16_stochastic_round=bf16, use_cache_off=use_cache_off,
-                  packed_check_skipped=packed_check_skipped, state_bits=state_bits,
+                  packed_check=bool(packed_check), state_bits=state_bits,
                   min_quant_numel=min_quant_numel, group_size=group_size, hf_checkpointing=_hf_checkpointing(hf),
                   linears_min_features=min_features if linears else 0,
                   linears_min_tokens=min_tokens if linears else 0, reasons=reasons, model=model)
@@ -635,7 +644,7 @@ _ADAMW_OPTIONS = _keywords(AdamW.__init__, "self", "params", "lr") | frozenset(L
 
 def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, linears=AUTO, activations=AUTO,
             compile=AUTO, cuda_graphs: bool = False, step_in_backward=AUTO, chunked_loss=AUTO, offload=AUTO,
-            max_memory_gib: float | None = None,
+            packed_check=AUTO, max_memory_gib: float | None = None,
             max_memory_fraction: float | None = None, tokens: int | None = None,
             linears_min_features: int | None = None, linears_min_tokens: int | None = None, verbose: bool = False,
             **optimizer_kwargs) -> AdamW:
@@ -655,6 +664,7 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
             module.reshard()
     result = plan(model, blocks=blocks, linears=linears, activations=activations, compile=compile,
                   cuda_graphs=cuda_graphs, step_in_backward=step_in_backward, chunked_loss=chunked_loss, offload=offload,
+                  packed_check=packed_check,
                   max_memory_gib=max_memory_gib,
                   max_memory_fraction=max_memory_fraction, tokens=tokens,
                   linears_min_features=linears_min_features, linears_min_tokens=linears_min_tokens,
@@ -692,8 +702,8 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
         result.handles.append(offload_activations(stack, result.offload_blocks))
     if result.chunked_loss:
         chunk_causal_lm_loss(_unwrapped(model))
-    if result.packed_check_skipped:
-        result.handles.append(packed_check.skip_packed_check(_unwrapped(model)))
+    if result.packed_check:
+        result.handles.append(skip_packed_check(_unwrapped(model)))
     if result.step_in_backward:
         result.handles.append(fuse_step_into_backward(opt, require_step=True))
     opt.plan = result

@@ -6,12 +6,17 @@ packed into one row (positions restarting): ``transformers.masking_utils.find_pa
 of each forward, so the host can never queue a step while the GPU still runs the previous one: the GPU idles
 wherever the host is slower than the GPU (launches, Python), instead of only where it is slower over a whole step.
 
-Where the caller passes neither ``position_ids`` nor ``cache_position``, a causal LM makes its positions itself as
-one ``arange`` per row, which holds one sequence: the check's answer is known (None, no packing) without looking.
-``skip_packed_check(model)`` answers it so for those calls; calls that pass positions (packed batches, as HF's
-``DataCollatorWithFlattening`` makes them) keep HF's check. It works by hooks on the model (setting a context
-variable for the duration of its forward) and a wrapper around HF's function that reads it (installed once; it
-does nothing outside such a forward, or under torch.compile, where HF skips the host read itself).
+Where the base model (``LlamaModel`` in ``LlamaForCausalLM``, ...: the module that makes the positions and the
+mask) is called with neither ``position_ids`` nor ``cache_position``, it makes its positions itself as one
+``arange`` per row, which holds one sequence: the check's answer is known (None, no packing) without looking.
+``skip_packed_check(model)`` answers it so during those calls: the base model's ``forward`` is wrapped (an
+instance attribute, instance_forward.py) to set a context variable for its duration, and HF's function is wrapped
+once per process to answer None while it is set. Calls that pass positions (packed batches, as HF's
+``DataCollatorWithFlattening`` makes them; a subclass's forward that makes positions of its own and passes them
+down) keep HF's check. While it is set, any HF model called inside that forward (from a hook, say) is answered
+None too. Under torch.compile (a whole model compiled) nothing is set: HF skips the host read there itself.
+Flash-attention's own packed-sequence test (``_is_packed_sequence``, per layer) is not answered: only the sdpa and
+eager attention paths lose their sync.
 """
 from __future__ import annotations
 
@@ -21,8 +26,22 @@ import inspect
 import torch
 import torch.nn as nn
 
+from ..instance_forward import had_own_forward, install_forward, remove_forward
+
 _OWN_POSITIONS = contextvars.ContextVar("lpoptim_own_positions", default=False)
 _POSITION_ARGS = ("position_ids", "cache_position")
+_ATTR = "_lpoptim_packed_check"
+
+
+def _base_models(model: nn.Module) -> list[nn.Module]:
+    """The modules that make the positions and the mask: the base model under ``base_model_prefix`` and, where it
+    has one, its ``decoder`` (OPTForCausalLM calls ``self.model.decoder`` directly)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    if not isinstance(base, nn.Module) or base is model:
+        return []
+    inner = getattr(base, "decoder", None)
+    return [base] + ([inner] if isinstance(inner, nn.Module) else [])
 
 
 def why_not(model: nn.Module) -> str | None:
@@ -30,10 +49,14 @@ def why_not(model: nn.Module) -> str | None:
     name = type(model).__name__
     if not (name.endswith("ForCausalLM") or name.endswith("LMHeadModel")):
         return f"{name} is not a Hugging Face causal LM"
-    if "position_ids" not in inspect.signature(type(model).forward).parameters:
-        return f"{name}.forward takes no position_ids"
     if _masking_utils() is None:
         return "this transformers has no find_packed_sequence_indices"
+    bases = _base_models(model)
+    for b in bases:  # a forward of the user's own may make positions its own way
+        if not type(b).forward.__module__.startswith("transformers."):
+            return f"{type(b).__name__}.forward is not transformers' own"
+    if not any("position_ids" in inspect.signature(type(b).forward).parameters for b in bases):
+        return f"{name} has no base model whose forward takes position_ids"
     return None
 
 
@@ -63,39 +86,51 @@ def _install_answer() -> None:
     utils.find_packed_sequence_indices = find_packed_sequence_indices
 
 
-class _OwnPositions:
-    """The hooks: before the forward, whether this call leaves the positions to the model; after it (also when it
-    raises), the previous value back."""
+class _OwnPositionsForward:
+    """The base model's instance ``forward``: the original, with the context variable saying whether this call
+    leaves the positions to the model (set and reset around it here, so nested, raising and concurrent calls each
+    restore their own)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, module: nn.Module, original, had_forward: bool):
+        self.original, self.had_forward = original, had_forward
         # the names of the forward's positional parameters after self: a call may pass positions positionally
-        self.positional = [p.name for p in list(inspect.signature(type(model).forward).parameters.values())[1:]
+        self.positional = [p.name for p in list(inspect.signature(type(module).forward).parameters.values())[1:]
                            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        self.tokens: list = []
-        self.handles = [model.register_forward_pre_hook(self._enter, with_kwargs=True),
-                        model.register_forward_hook(self._exit, always_call=True)]
+        self.__signature__ = inspect.signature(original)
 
-    def _enter(self, module, args, kwargs):
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # Dynamo traces no context variable; HF reads nothing on the host there
+            return self.original(*args, **kwargs)
         given = dict(zip(self.positional, args))
         own = all(kwargs.get(name) is None and given.get(name) is None for name in _POSITION_ARGS)
-        self.tokens.append(_OWN_POSITIONS.set(own))
+        token = _OWN_POSITIONS.set(own)
+        try:
+            return self.original(*args, **kwargs)
+        finally:
+            _OWN_POSITIONS.reset(token)
 
-    def _exit(self, module, args, output):
-        if self.tokens:
-            _OWN_POSITIONS.reset(self.tokens.pop())
+
+class _Handle:
+    def __init__(self, modules: list[nn.Module]):
+        self.modules = modules
 
     def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+        for m in self.modules:
+            remove_forward(m, _ATTR)
+        self.modules = []
 
 
-def skip_packed_check(model: nn.Module) -> _OwnPositions:
-    """Answer HF's packed-sequence check without a host sync in the forwards of ``model`` (an HF causal LM) that
-    pass no positions (module docstring). Returns a handle whose ``remove()`` undoes it. ValueError, naming why, for
-    a model this does not apply to (``why_not``)."""
+def skip_packed_check(model: nn.Module) -> _Handle:
+    """Answer HF's packed-sequence check without a host sync in the forwards of ``model`` (an HF causal LM) whose
+    base model is given no positions (module docstring). Returns a handle whose ``remove()`` undoes it.
+    ValueError, naming why, for a model this does not apply to (``why_not``)."""
     why = why_not(model)
     if why:
         raise ValueError(f"skip_packed_check: {why}")
     _install_answer()
-    return _OwnPositions(model)
+    wrapped = []
+    for base in _base_models(model):
+        if _ATTR not in base.__dict__ and "position_ids" in inspect.signature(type(base).forward).parameters:
+            install_forward(base, _ATTR, _OwnPositionsForward(base, base.forward, had_own_forward(base)))
+            wrapped.append(base)
+    return _Handle(wrapped)
