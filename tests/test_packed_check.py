@@ -15,15 +15,18 @@ masking_utils = pytest.importorskip("transformers.masking_utils")
 if not callable(getattr(masking_utils, "find_packed_sequence_indices", None)):
     pytest.skip("this transformers has no find_packed_sequence_indices", allow_module_level=True)
 
+from hf_families import CAUSAL, hf_model  # noqa: E402  (tests/: tiny HF models)
+
 PACKED = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])  # three sequences in one row
 
 
-def _llama(seed=0, cls=None):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   use_cache=False, attn_implementation="sdpa")
-    return (cls or transformers.LlamaForCausalLM)(cfg).eval()
+def _llama(cls=None):
+    """The tiny Llama without a KV cache (with one, HF skips the check itself); ``cls``: a subclass of the model."""
+    model = hf_model("llama", use_cache=False)
+    if cls is not None:
+        torch.manual_seed(0)
+        model = cls(model.config).train()
+    return model
 
 
 def _hf_own():
@@ -48,7 +51,7 @@ def spy(monkeypatch):
 def test_own_positions_skip_the_check_with_the_same_outputs(spy):
     model = _llama()
     reference = copy.deepcopy(model)
-    ids = torch.randint(0, 96, (2, 12))
+    ids = torch.randint(0, 128, (2, 12))
     with torch.no_grad():
         want = reference(input_ids=ids).logits
     assert len(spy) == 1  # HF's own forward asks (the test's premise)
@@ -67,7 +70,7 @@ def test_own_positions_skip_the_check_with_the_same_outputs(spy):
 def test_given_positions_keep_hf_check(spy, how):
     model = _llama()
     reference = copy.deepcopy(model)
-    ids = torch.randint(0, 96, (1, 12))
+    ids = torch.randint(0, 128, (1, 12))
     kwargs = {"cache_position": torch.arange(12)} if how == "cache_position" else {}
     with torch.no_grad():
         want = reference(input_ids=ids, position_ids=PACKED).logits
@@ -97,7 +100,7 @@ def test_a_subclass_making_positions_keeps_hf_check(spy):
 
     model = _llama(cls=SegmentedLlamaForCausalLM)
     reference = copy.deepcopy(model)
-    ids = torch.randint(0, 96, (1, 12))
+    ids = torch.randint(0, 128, (1, 12))
     with torch.no_grad():
         want = reference(input_ids=ids).logits
     packed_check.skip_packed_check(model)
@@ -119,9 +122,9 @@ def test_refuses_a_base_model_of_the_users_own():
 
 
 def test_training_step_gradients_match(spy):
-    model = _llama().train()
+    model = _llama()
     reference = copy.deepcopy(model)
-    ids = torch.randint(0, 96, (2, 10))
+    ids = torch.randint(0, 128, (2, 10))
     packed_check.skip_packed_check(model)
     spy.clear()
     model(input_ids=ids, labels=ids).loss.backward()
@@ -146,7 +149,7 @@ def test_concurrent_forwards_answer_each_their_own(spy):
     keeps HF's check while the other, which leaves them to the model, is inside its forward; neither raises."""
     model = _llama()
     reference = copy.deepcopy(model)
-    ids = torch.randint(0, 96, (1, 12))
+    ids = torch.randint(0, 128, (1, 12))
     with torch.no_grad():
         want_plain = reference(input_ids=ids).logits
         want_packed = reference(input_ids=ids, position_ids=PACKED).logits
@@ -191,7 +194,7 @@ def test_the_whole_model_compiled(spy):
     HF reads nothing on the host when traced) and gives the same logits."""
     model = _llama()
     reference = copy.deepcopy(model)
-    ids = torch.randint(0, 96, (1, 12))
+    ids = torch.randint(0, 128, (1, 12))
     packed_check.skip_packed_check(model)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="eager", fullgraph=True)
@@ -202,31 +205,11 @@ def test_the_whole_model_compiled(spy):
     torch._dynamo.reset()
 
 
-def _small(cls_name: str):
-    """A tiny model of an HF causal-LM family (its config's defaults, made small)."""
-    cls = getattr(transformers, cls_name)
-    cfg = cls.config_class()
-    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=128, n_embd=64, n_layer=2,
-                 n_head=4, n_positions=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-                 shared_expert_intermediate_size=32, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    for key, value in small.items():
-        if hasattr(cfg, key):
-            try:
-                setattr(cfg, key, value)
-            except AttributeError:  # derived from the others (Falcon's head_dim)
-                pass
-    cfg._attn_implementation = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
-    torch.manual_seed(0)
-    return cls(cfg).train()
-
-
-@pytest.mark.parametrize("cls_name", ["MistralForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "GPT2LMHeadModel",
-                                      "GPTNeoXForCausalLM", "FalconForCausalLM", "Qwen2MoeForCausalLM"])
-def test_families_answer_as_hf_would(monkeypatch, cls_name):
+@pytest.mark.parametrize("name", CAUSAL)
+def test_families_answer_as_hf_would(monkeypatch, name):
     """The premise, family by family: wherever the answer is given without looking, HF's own check, run anyway,
     answers the same (None: one sequence a row)."""
-    model = _small(cls_name)
+    model = hf_model(name, use_cache=False)
     assert packed_check.why_not(model) is None
     packed_check.skip_packed_check(model)
     hf_own, seen = _hf_own(), []
@@ -240,8 +223,8 @@ def test_families_answer_as_hf_would(monkeypatch, cls_name):
     monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", checked)
     ids = torch.randint(3, 100, (2, 16))
     model(input_ids=ids, labels=ids).loss.backward()
-    if not seen:  # (Falcon in transformers 5.17: its mask never asks)
-        pytest.skip(f"{cls_name} does not run HF's packed-sequence check in transformers {transformers.__version__}")
+    if not seen:  # (OPT's mask never asks; nor Falcon's in transformers 5.17)
+        pytest.skip(f"{name}'s mask does not run HF's packed-sequence check in transformers {transformers.__version__}")
     assert all(flagged for flagged, _ in seen), seen
     assert all(hf_none for _, hf_none in seen), seen
 
@@ -253,11 +236,11 @@ def test_refuses_what_is_not_a_causal_lm():
 
 
 def test_prepare_applies_it_and_plan_remove_undoes_it(spy):
-    model = _llama().train()
+    model = _llama()
     opt = lpoptim.prepare(model, 1e-3, compile=False, linears=None, activations=None)
     assert opt.plan.packed_check and opt.plan.options()["packed_check"]
     assert "no host sync" in opt.plan.summary()
-    ids = torch.randint(0, 96, (1, 8))
+    ids = torch.randint(0, 128, (1, 8))
     spy.clear()
     for call in (lambda: model(input_ids=ids, labels=ids),
                  lambda: model(ids, None, PACKED[:, :8], labels=ids)):  # positional, through the chunked loss's forward
@@ -271,11 +254,11 @@ def test_prepare_applies_it_and_plan_remove_undoes_it(spy):
 
 
 def test_prepare_option():
-    refused = lpoptim.prepare(_llama().train(), 1e-3, compile=False, linears=None, activations=None,
+    refused = lpoptim.prepare(_llama(), 1e-3, compile=False, linears=None, activations=None,
                               packed_check=False)
     assert not refused.plan.packed_check and "unchanged" in refused.plan.summary()
     with pytest.raises(ValueError, match="packed_check=True, but"):
         lpoptim.prepare(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)), 1e-3, blocks="", compile=False,
                         packed_check=True)
     with pytest.raises(ValueError, match="packed_check"):
-        lpoptim.prepare(_llama().train(), 1e-3, packed_check="yes")
+        lpoptim.prepare(_llama(), 1e-3, packed_check="yes")

@@ -25,65 +25,8 @@ from lpoptim.planner import find_blocks, plan, prepare
 
 transformers = pytest.importorskip("transformers")
 
-# ---- tiny HF models --------------------------------------------------------------------------------------------
-
-_DECODER = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                num_hidden_layers=2, vocab_size=128, max_position_embeddings=128)
-_MOE = ("mixtral", "qwen2_moe", "olmoe")
-# name -> (config class, model class, config kwargs, the stack's names (this transformers' first; older spellings
-# accepted), the block class). Dropout off everywhere: the prepared copy and the original draw other masks.
-FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", _DECODER, ("model.layers",), "LlamaDecoderLayer"),
-    "mistral": ("MistralConfig", "MistralForCausalLM", _DECODER, ("model.layers",), "MistralDecoderLayer"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _DECODER, ("model.layers",), "Qwen2DecoderLayer"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**_DECODER, "head_dim": 16}, ("model.layers",),
-              "Qwen3DecoderLayer"),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {**_DECODER, "head_dim": 16}, ("model.layers",),
-               "Gemma2DecoderLayer"),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**_DECODER, "head_dim": 16}, ("model.layers",),
-               "Gemma3DecoderLayer"),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {**_DECODER, "pad_token_id": 0, "eos_token_id": 1,
-                                               "bos_token_id": 1}, ("model.layers",), "Phi3DecoderLayer"),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=128,
-                                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                                                   eos_token_id=0), ("transformer.h",), "GPT2Block"),
-    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {k: v for k, v in _DECODER.items()
-                                                          if k != "num_key_value_heads"},
-                 ("gpt_neox.layers",), "GPTNeoXLayer"),
-    "opt": ("OPTConfig", "OPTForCausalLM", dict(hidden_size=64, ffn_dim=128, num_attention_heads=4,
-                                                num_hidden_layers=2, vocab_size=128, max_position_embeddings=128,
-                                                word_embed_proj_dim=64, dropout=0.0, attention_dropout=0.0,
-                                                activation_dropout=0.0),
-            ("model.decoder.layers",), "OPTDecoderLayer"),
-    "falcon": ("FalconConfig", "FalconForCausalLM", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
-                                                         vocab_size=128, hidden_dropout=0.0, attention_dropout=0.0),
-               ("transformer.h",), "FalconDecoderLayer"),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2},
-                ("model.layers",), "MixtralDecoderLayer"),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  {**_DECODER, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-                   "shared_expert_intermediate_size": 64}, ("model.layers",), "Qwen2MoeDecoderLayer"),
-    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {**_DECODER, "num_experts": 4, "num_experts_per_tok": 2},
-              ("model.layers",), "OlmoeDecoderLayer"),
-    "bert": ("BertConfig", "BertForMaskedLM", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                                   num_hidden_layers=2, vocab_size=128, max_position_embeddings=64,
-                                                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
-             ("bert.encoder.layer",), "BertLayer"),
-    "vit": ("ViTConfig", "ViTForImageClassification", dict(hidden_size=64, intermediate_size=128,
-                                                           num_attention_heads=4, num_hidden_layers=2, image_size=32,
-                                                           patch_size=8, num_labels=10),
-            ("vit.layers", "vit.encoder.layer"), "ViTLayer"),
-}
-CAUSAL = [n for n in FAMILIES if n not in ("bert", "vit")]
-EAGER_ONLY = {"gemma2"}  # transformers refuses sdpa for Gemma2 ("does not support ... sdpa yet")
-
-
-def _hf(name: str, **overrides) -> nn.Module:
-    config_name, model_name, kwargs, _, _ = FAMILIES[name]
-    cfg = getattr(transformers, config_name)(**{**kwargs, **overrides})
-    cfg._attn_implementation = "eager" if name in EAGER_ONLY else "sdpa"
-    torch.manual_seed(0)
-    return getattr(transformers, model_name)(cfg).train()
+from hf_families import MOE, CAUSAL, FAMILIES  # noqa: E402  (tests/: tiny HF models)
+from hf_families import hf_model as _hf  # noqa: E402
 
 
 def _batch(name: str, seq: int = 32) -> dict:
@@ -221,7 +164,7 @@ def test_chunked_loss_is_hf_loss(name):
              # the Trainer under accumulation: the sum over this micro-batch / the items of the whole batch
              "num_items_in_batch": dict(labels=labels, num_items_in_batch=torch.tensor(2 * counted + 3)),
              "shift_labels": dict(labels=labels, shift_labels=torch.roll(labels, 1, dims=1))}
-    if name in _MOE:
+    if name in MOE:
         cases["output_router_logits"] = dict(labels=labels, output_router_logits=True)
     losses = {}
     for case, kw in cases.items():
@@ -232,7 +175,7 @@ def test_chunked_loss_is_hf_loss(name):
         _assert_same_grads(ref, got)
         losses[case] = out_ref.loss.item()
     assert len(set(losses.values())) == len(losses)  # each case is a different loss: each option was honoured
-    if name in _MOE:  # the router's load-balancing loss is in it (and in the original's)
+    if name in MOE:  # the router's load-balancing loss is in it (and in the original's)
         assert out.aux_loss is not None and losses["output_router_logits"] > losses["labels with -100"]
     # evaluation and no_grad: the model's own forward, whole logits, the same as the original's
     with torch.no_grad():

@@ -35,22 +35,32 @@ _ATTR = "_lpoptim_chunked_loss"
 _LOGIT_TRANSFORMS = ("logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
+def is_causal_lm(model: nn.Module) -> bool:
+    """Whether ``model`` is, by its class name, a Hugging Face causal LM (``...ForCausalLM``, ``...LMHeadModel``)."""
+    name = type(model).__name__
+    return name.endswith("ForCausalLM") or name.endswith("LMHeadModel")
+
+
 def _decoder(model: nn.Module) -> nn.Module | None:
     prefix = getattr(model, "base_model_prefix", "")
     decoder = getattr(model, prefix, None) if prefix else None
     return decoder if isinstance(decoder, nn.Module) and decoder is not model else None
 
 
-def _hidden_sources(decoder: nn.Module) -> list[nn.Module]:
-    """The modules whose output is the last hidden state: the base model and, where it has one, its ``decoder``
-    (OPTForCausalLM calls ``self.model.decoder`` directly, so the base model's own forward never runs)."""
+def base_models(model: nn.Module) -> list[nn.Module]:
+    """The modules of an HF model that make its positions and mask and return its last hidden state: the base
+    model under ``base_model_prefix`` and, where it has one, its ``decoder`` (OPTForCausalLM calls
+    ``self.model.decoder`` directly, so the base model's own forward never runs); [] where there is none."""
+    decoder = _decoder(model)
+    if decoder is None:
+        return []
     inner = getattr(decoder, "decoder", None)
     return [decoder] + ([inner] if isinstance(inner, nn.Module) else [])
 
 
 def why_not(model: nn.Module) -> str | None:
     """Why the loss of ``model`` cannot be computed chunk by chunk (None: it can)."""
-    if not type(model).__name__.endswith("ForCausalLM") and not type(model).__name__.endswith("LMHeadModel"):
+    if not is_causal_lm(model):
         return f"{type(model).__name__} is not a Hugging Face causal LM"
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not nn.Linear:
@@ -92,7 +102,7 @@ class _ChunkedLossForward:
         captured = []
         hooks = [m.register_forward_hook(lambda _m, _a, out: captured.append(
             out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]))
-            for m in _hidden_sources(_decoder(model))]
+            for m in base_models(model)]
         try:
             out = self.original(*args, labels=None, **{**kwargs, "logits_to_keep": 1})
         finally:

@@ -21,37 +21,28 @@ eager attention paths lose their sync.
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 
 import torch
 import torch.nn as nn
 
 from ..instance_forward import had_own_forward, install_forward, remove_forward
+from .causal_lm_loss import base_models, is_causal_lm
 
 _OWN_POSITIONS = contextvars.ContextVar("lpoptim_own_positions", default=False)
 _POSITION_ARGS = ("position_ids", "cache_position")
 _ATTR = "_lpoptim_packed_check"
 
 
-def _base_models(model: nn.Module) -> list[nn.Module]:
-    """The modules that make the positions and the mask: the base model under ``base_model_prefix`` and, where it
-    has one, its ``decoder`` (OPTForCausalLM calls ``self.model.decoder`` directly)."""
-    prefix = getattr(model, "base_model_prefix", "")
-    base = getattr(model, prefix, None) if prefix else None
-    if not isinstance(base, nn.Module) or base is model:
-        return []
-    inner = getattr(base, "decoder", None)
-    return [base] + ([inner] if isinstance(inner, nn.Module) else [])
-
-
 def why_not(model: nn.Module) -> str | None:
     """Why ``model``'s packed-sequence check cannot be skipped (None: it can)."""
     name = type(model).__name__
-    if not (name.endswith("ForCausalLM") or name.endswith("LMHeadModel")):
+    if not is_causal_lm(model):
         return f"{name} is not a Hugging Face causal LM"
     if _masking_utils() is None:
         return "this transformers has no find_packed_sequence_indices"
-    bases = _base_models(model)
+    bases = base_models(model)
     for b in bases:  # a forward of the user's own may make positions its own way
         if not type(b).forward.__module__.startswith("transformers."):
             return f"{type(b).__name__}.forward is not transformers' own"
@@ -76,13 +67,13 @@ def _install_answer() -> None:
     if getattr(original, "_lpoptim_original", None) is not None:
         return
 
+    @functools.wraps(original)
     def find_packed_sequence_indices(position_ids, *args, **kwargs):
         if not torch.compiler.is_compiling() and _OWN_POSITIONS.get():
             return None  # one arange per row: no packed sequence
         return original(position_ids, *args, **kwargs)
 
     find_packed_sequence_indices._lpoptim_original = original
-    find_packed_sequence_indices.__doc__ = original.__doc__
     utils.find_packed_sequence_indices = find_packed_sequence_indices
 
 
@@ -129,7 +120,7 @@ def skip_packed_check(model: nn.Module) -> _Handle:
         raise ValueError(f"skip_packed_check: {why}")
     _install_answer()
     wrapped = []
-    for base in _base_models(model):
+    for base in base_models(model):
         if _ATTR not in base.__dict__ and "position_ids" in inspect.signature(type(base).forward).parameters:
             install_forward(base, _ATTR, _OwnPositionsForward(base, base.forward, had_own_forward(base)))
             wrapped.append(base)
