@@ -235,6 +235,39 @@ def test_nan_moment_stays_nan_on_the_next_step():
     assert torch.equal(torch.isnan(m), torch.isnan(mr))
 
 
+@pytest.mark.parametrize("layout", [StateLayout(quantized=True), StateLayout(True, expansion=False)])
+def test_non_finite_gradients_with_amsgrad_match_the_reference(layout):
+    """Infinities and NaNs in the gradients: scales from the finite values, NaN kept (also in a group with no other
+    nonzero value), and the running maximum keeps a NaN as torch.maximum does: the kernel as the reference, over
+    steps that decode the NaN codes."""
+    _non_finite_gradients_with_amsgrad("cpu", layout)
+
+
+@pytest.mark.gpu
+def test_non_finite_gradients_with_amsgrad_match_the_reference_gpu():
+    _non_finite_gradients_with_amsgrad("cuda", StateLayout(quantized=True))
+
+
+def _non_finite_gradients_with_amsgrad(device, layout):
+    p = torch.randn(8, 256, device=device)
+    pr, s, sr = p.clone(), init_state(p, layout, True), init_state(p, layout, True)
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, amsgrad=True, maximize=False)
+    for step in range(3):
+        g = torch.randn(8, 256, device=device) * 1e-3
+        if step == 0:
+            g[1, 5] = float("nan")
+            g[6, :128] = 0.0  # a group whose only nonzero moment is a NaN: scale 0, the NaN kept
+            g[6, 3] = float("nan")
+        g[2, 9 + step] = float("inf")
+        g[5, 200] = -float("inf")
+        kernel.fused_adamw_step([(p, g, s, layout)], **hyper)
+        reference_adamw_step(pr, g, sr, layout, **hyper)
+        _compare([p], [pr], [s], [sr], layout)
+        for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            assert torch.equal(load_moment(s, name, layout).isnan(), load_moment(sr, name, layout).isnan()), name
+    assert torch.isnan(load_moment(s, "max_exp_avg_sq", layout)[1, 5])
+
+
 @pytest.mark.parametrize("bad", ["float64", "int64", "cpu"])
 def test_a_step_the_kernel_cannot_read_is_refused(bad):
     """The kernel reads each step count through its address as one fp32 value on the parameter's device: a step

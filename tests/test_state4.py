@@ -537,6 +537,36 @@ def _nan_gradient_stays_in_its_element(device):
     assert torch.isnan(m).sum() == 1 and torch.isnan(m[1, 5]) and m[2, 9] > 0
 
 
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_kernel_non_finite_gradients_match_reference(amsgrad, _tiles):
+    """Infinities and NaNs in the gradients (the finite absmax, NaN's codes, NaN decoded; a group whose only nonzero
+    moment is a NaN; amsgrad's running maximum keeping a NaN, as torch.maximum does): codes and scales bit for bit
+    the reference's, over steps that decode the NaN codes of the last one."""
+    from lpoptim.optim.reference import reference_adamw_step
+
+    gen = torch.Generator().manual_seed(5)
+    p = torch.randn(8, 256, generator=gen)
+    s = init_state(p, LAYOUT4, amsgrad)
+    rp, rs = p.clone(), {k: v.clone() for k, v in s.items()}
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, amsgrad=amsgrad, maximize=False)
+    for step in range(3):
+        g = torch.randn(p.shape, generator=gen) * 1e-3
+        if step == 0:
+            g[1, 5] = float("nan")
+            g[6, :128] = 0.0  # a group whose only nonzero moment is a NaN: scale 0, the NaN kept
+            g[6, 3] = float("nan")
+        g[2, 9 + step] = float("inf")
+        g[5, 200] = -float("inf")
+        kernel.fused_adamw_step([(p, g, s, LAYOUT4)], state_salts=[2], **hyper)
+        reference_adamw_step(rp, g, rs, LAYOUT4, state_salt=2, **hyper)
+        assert all(torch.equal(s[k], rs[k]) for k in s), [k for k in s if not torch.equal(s[k], rs[k])]
+        # parameters: the same non-finite elements; the rest within _compare's tolerance (the update takes rcp)
+        assert torch.equal(p.isfinite(), rp.isfinite()) and torch.equal(p.isnan(), rp.isnan())
+        torch.testing.assert_close(p, rp, rtol=4 * torch.finfo(p.dtype).eps, atol=2.0 ** -13 * 1e-2, equal_nan=True)
+    m = load_moment(s, "exp_avg", LAYOUT4, p.shape)
+    assert torch.isnan(m[1, 5]) and torch.isnan(m[6, 3]) and torch.isnan(m).sum() == 2  # in their elements
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("amsgrad", [False, True])

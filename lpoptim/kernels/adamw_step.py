@@ -265,11 +265,12 @@ if HAVE_TRITON:
             sqrt_v_used = sqrt_v
             if AMSGRAD:
                 v_max = _decode(vm_ptr, vms_ptr, offs, mask, gid, gmask, V_E4M3, V_INV, QUANT, ON_GPU, HW_FP8)
+                # NaN propagates, as torch.maximum does (the GPU's plain max would keep the other value)
                 if SQRT_V and QUANT:
-                    sqrt_v_used = tl.maximum(v_max, sqrt_v)
+                    sqrt_v_used = tl.maximum(v_max, sqrt_v, propagate_nan=tl.PropagateNan.ALL)
                     v_max = sqrt_v_used
                 else:
-                    v_max = tl.maximum(v_max, v)
+                    v_max = tl.maximum(v_max, v, propagate_nan=tl.PropagateNan.ALL)
                     sqrt_v_used = tl.sqrt(v_max)
             denom = sqrt_v_used * inv_bc2_sqrt + eps
             p = p * decay - step_size * (m * fast_rcp(denom, ON_GPU))

@@ -193,7 +193,7 @@ def adamw4_kernel(
         sqrt_v_used = tl.sqrt(v)
         if AMSGRAD:
             v_max = _decode4(vm_ptr, vms_ptr, boffs, bmask, mask, gid, gmask, True, BLOCK_G, G, EVEN_ROWS)
-            v_max = tl.maximum(v_max, v)
+            v_max = tl.maximum(v_max, v, propagate_nan=tl.PropagateNan.ALL)  # NaN kept, as torch.maximum
             sqrt_v_used = tl.sqrt(v_max)
         denom = sqrt_v_used * inv_bc2_sqrt + eps
         p = p * decay - step_size * (m * fast_rcp(denom, ON_GPU))
