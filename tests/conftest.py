@@ -24,6 +24,5 @@ def interpreter_friendly_tiles(monkeypatch):
     from lpoptim.kernels import adamw_step as kernel
 
     if not torch.cuda.is_available():
-        friendly = dict(block_groups=16, num_warps=4, loop=1)
-        monkeypatch.setattr(kernel, "TUNING", {**kernel.TUNING, **friendly, "state4_half": friendly,
-                                                "state4_half_sr": friendly})
+        friendly = dict(block_groups=16, num_warps=4, loop=1, stages=1)
+        monkeypatch.setattr(kernel, "TUNING", {k: friendly for k in kernel.TUNING})

@@ -350,6 +350,7 @@ fn = kernel._adamw_kernel
 consts = dict(PARAM_DTYPE=kernel._TL_DTYPES[torch.bfloat16], G=LPOPTIM_DEFAULTS["group_size"], BLOCK_G=2, LOOP=8,
               AMSGRAD=True, MAXIMIZE=False, LR_IS_TENSOR=False, HAS_GRAD_SCALE=False, HAS_FOUND_INF=False,
               EVEN_ROWS=True, ON_GPU=True, STOCHASTIC=True, ALIGNED=True, QUANT=True, EXPANSION=True, SQRT_V=False,
+              STAGES=kernel.TUNING["half"]["stages"],
               HW_FP8=False, **kernel._format_args("e4m3", "M"), **kernel._format_args("e4m3", "V"))
 pointers = {"ptrs": "*i64", "dims": "*i32", "blocks": "*i32", "salt_ptr": "*i32"}
 sig = {n: "constexpr" if n in consts else pointers.get(n, "*fp32") if n in pointers or n.endswith("_ptr") else "fp32"
@@ -383,12 +384,17 @@ def test_kernel_compiles_for_gpus_without_fp8_conversions():
     assert out.stdout.split()[-2:] == ["compiled", "False"]  # and no FP8 type left for sm_80 to refuse
 
 
-def test_four_bit_launch_settings_by_dtype_and_rounding():
-    """Each 4-bit case takes its own tuned settings; FP8 states take the common ones."""
-    four, eight = StateLayout(quantized=True, state_bits=4), StateLayout(quantized=True)
+def test_launch_settings_by_states_dtype_and_rounding():
+    """Each case takes its own tuned settings: FP8 states (and fp32 moments) by the parameters' width, 4-bit states
+    by it and by the stochastic rounding."""
+    four, eight, plain = (StateLayout(quantized=True, state_bits=4), StateLayout(quantized=True),
+                          StateLayout(quantized=False))
     t = kernel.TUNING
-    assert kernel._tuning(four, torch.float32)["loop"] == t["state4_fp32"]["loop"]
+    assert kernel._tuning(four, torch.float32) is t["state4_fp32"]
+    for layout in (eight, plain):
+        assert kernel._tuning(layout, torch.float32) is t["fp32"]
     for dtype in (torch.bfloat16, torch.float16):
-        assert {k: kernel._tuning(four, dtype, False)[k] for k in t["state4_half"]} == dict(t["state4_half"])
-        assert {k: kernel._tuning(four, dtype, True)[k] for k in t["state4_half_sr"]} == dict(t["state4_half_sr"])
-    assert kernel._tuning(eight, torch.bfloat16, True) is t
+        assert kernel._tuning(four, dtype, False) is t["state4_half"]
+        assert kernel._tuning(four, dtype, True) is t["state4_half_sr"]
+        assert kernel._tuning(eight, dtype, True) is kernel._tuning(eight, dtype, False) is t["half"]
+    assert all(set(v) == {"block_groups", "num_warps", "loop", "stages"} for v in t.values())

@@ -1,9 +1,10 @@
 """The fused multi-tensor AdamW step: one pass over memory for every quantized parameter of a batch.
 
-Each program walks LOOP tiles of BLOCK_G quantization groups of one tensor (measured best on an H100: one warp,
-two groups of 128 per tile, 8 tiles). It reads the parameter, the gradient, the FP8 codes and group scales of m
-and v once, dequantizes (undoing the range expansion), applies the AdamW update in fp32, finds the new group
-statistics, re-expands, rounds onto the FP8 grid and writes parameter, codes and scales once. Small tensors with
+Each program walks LOOP tiles of BLOCK_G quantization groups of one tensor, the next tiles' loads issued while
+one is computed (software pipelining; the settings per case, measured on an H100: TUNING). It reads the
+parameter, the gradient, the FP8 codes and group scales of m and v once, dequantizes (undoing the range
+expansion), applies the AdamW update in fp32, finds the new group statistics, re-expands, rounds onto the FP8 grid
+and writes parameter, codes and scales once. Small tensors with
 fp32 moments take the same kernel with QUANT off. Tensors are reached through a table of addresses, so a whole
 batch (all parameters of one dtype and layout) is one launch; the table and the program->tensor map are cached
 and rebuilt only when an address or a shape changes. Step counts and bias corrections stay on the device: no
@@ -219,6 +220,7 @@ if HAVE_TRITON:
         QUANT: tl.constexpr, EXPANSION: tl.constexpr, SQRT_V: tl.constexpr, AMSGRAD: tl.constexpr,
         MAXIMIZE: tl.constexpr, LR_IS_TENSOR: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
         HAS_FOUND_INF: tl.constexpr, EVEN_ROWS: tl.constexpr, ON_GPU: tl.constexpr, LOOP: tl.constexpr,
+        STAGES: tl.constexpr,
         STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr, HW_FP8: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -243,7 +245,7 @@ if HAVE_TRITON:
         else:
             vm_ptr = m_ptr
             vms_ptr = ms_ptr
-        for j in tl.range(0, LOOP):  # LOOP tiles of BLOCK_G groups per program
+        for j in tl.range(0, LOOP, num_stages=STAGES):  # LOOP tiles of BLOCK_G groups per program
             gid, gmask, offs, mask = _tile(first_group, j, n, groups_per_row, total_groups, BLOCK_G, G, EVEN_ROWS)
 
             p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -323,31 +325,26 @@ _STATE_KEYS = {True: ("exp_avg_codes", "exp_avg_scale", "exp_avg_sq_codes", "exp
 _STATE_KEYS4 = ("exp_avg_codes4", "exp_avg_scale", "exp_avg_sq_codes4", "exp_avg_sq_scale", "max_exp_avg_sq_codes4",
                 "max_exp_avg_sq_scale", "step")  # state_bits=4: packed codes (kernels/adamw_step4.py)
 
-# Launch settings, the best of a sweep on an H100 (torch 2.11, triton 3.6; docs/results/console_h100.md): fp32
-# 7.6-8.1 ms, bf16 5.3-5.6 ms for 1.24 B parameters, host part included, on two hosts (1 group per tile: 8.1-8.2 /
-# 6.0-6.5). Groups per tile, warps per program, tiles per program. Read-only: tests swap in their own.
-# 4-bit states on fp32 parameters take their own, the best of a 27-setting sweep on an H100 made before the ratio
-# bound (torch 2.11, triton 3.6; the sweep's script and output were not kept); with the bound, 5.95 ms back to
-# back for 1.24 B parameters, within 2% of the copy floor (`benchmarks/optim_step.py`,
-# docs/results/optim_step_4bit_h100.json).
-# With bf16 (fp16) parameters, their own with and without stochastic rounding: the best of a 36-setting sweep of
-# the rounding's (block_groups 1-8, warps 1-4, loop 4-16; the five best then timed without it) on an H100 (torch
-# 2.11, triton 3.6; lab script not kept): with rounding 4.43 ms for 1.24 B parameters, (2, 1, 8) 4.59; without,
-# (2, 1, 16) 4.23 ms where (4, 1, 16) took 4.46. benchmarks/optim_step.py with these: 4.23 and 4.43 ms, 1.25x and
-# 1.31x the copy floor (docs/results/optim_step_4bit_h100.json).
-TUNING = MappingProxyType(dict(block_groups=2, num_warps=1, loop=8,
-                               state4_fp32=MappingProxyType(dict(block_groups=4, num_warps=4, loop=8)),
-                               state4_half=MappingProxyType(dict(block_groups=2, num_warps=1, loop=16)),
-                               state4_half_sr=MappingProxyType(dict(block_groups=4, num_warps=1, loop=16))))
+# Launch settings: groups per tile, warps per program, tiles per program, and the loop's software pipelining
+# (num_stages: the next tiles' loads issued while one is computed). Read-only: tests swap in their own. Each case
+# its own, the best of sweeps on an H100 (torch 2.11, triton 3.6; lab scripts not kept), 1.24 B parameters back to
+# back: FP8 states (and fp32 moments) with fp16/bf16 parameters, with or without stochastic rounding, 4 groups, 1
+# warp, 8 tiles, 3 stages (rounding 4.49 ms where the unpipelined (2, 1, 8) took 5.13; without 4.30 against 4.63),
+# with fp32 parameters (2, 1, 2, 3 stages) 6.58 against 6.84 (a 27-setting sweep around each: groups 2-8, tiles
+# 2-8, stages 2-4). 4-bit states: fp32 (4, 4, 8) and bf16 without rounding (2, 1, 16) gain nothing from stages
+# (5.96 and 4.23 ms); bf16 with rounding (4, 1, 32, 3 stages) 4.19 against 4.43 (groups 2-4, tiles 16-64,
+# stages 3-4). docs/results/optim_step_h100.json holds benchmarks/optim_step.py's times with these.
+_SETTINGS = ("block_groups", "num_warps", "loop", "stages")
+TUNING = MappingProxyType({k: MappingProxyType(dict(zip(_SETTINGS, v))) for k, v in {
+    "half": (4, 1, 8, 3), "fp32": (2, 1, 2, 3),  # FP8 states, or fp32 moments
+    "state4_half": (2, 1, 16, 1), "state4_half_sr": (4, 1, 32, 3), "state4_fp32": (4, 4, 8, 1)}.items()})
 
 
 def _tuning(layout, dtype, stochastic: bool = False) -> dict:
     """The launch settings for this state layout, parameter dtype and bf16 stochastic rounding."""
     if layout.quantized and layout.state_bits == 4:
-        own = TUNING.get("state4_fp32" if dtype == torch.float32 else "state4_half_sr" if stochastic else "state4_half")
-        if own is not None:
-            return {**TUNING, **own}
-    return TUNING
+        return TUNING["state4_fp32" if dtype == torch.float32 else "state4_half_sr" if stochastic else "state4_half"]
+    return TUNING["fp32" if dtype == torch.float32 else "half"]
 
 
 def _tables(batch, layout, block_g: int) -> _Plan:
@@ -489,7 +486,8 @@ def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_de
     # will change): ~4% fewer instructions, within the ulp-level bound the GPU tests allow
     common = dict(PARAM_DTYPE=_TL_DTYPES[dtype], G=layout.group_size, BLOCK_G=block_g, AMSGRAD=amsgrad,
                   MAXIMIZE=maximize, LR_IS_TENSOR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None,
-                  HAS_FOUND_INF=found_inf is not None, LOOP=loop, EVEN_ROWS=even, ON_GPU=not interpreted(),
+                  HAS_FOUND_INF=found_inf is not None, LOOP=loop, STAGES=tune["stages"], EVEN_ROWS=even,
+                  ON_GPU=not interpreted(),
                   ALIGNED=plan.aligned, num_warps=tune["num_warps"], enable_fp_fusion=True)
     # through the cached launcher (launch.py): Triton's own launch binds and specializes all of these arguments on
     # every call, and stepping in backward launches once per bucket, ~40 times a step at 7B

@@ -139,6 +139,7 @@ def adamw4_kernel(
     PARAM_DTYPE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
     AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, LR_IS_TENSOR: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, EVEN_ROWS: tl.constexpr, ON_GPU: tl.constexpr, LOOP: tl.constexpr,
+    STAGES: tl.constexpr,
     STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -166,7 +167,7 @@ def adamw4_kernel(
     else:
         vm_ptr = m_ptr
         vms_ptr = ms_ptr
-    for j in tl.range(0, LOOP):
+    for j in tl.range(0, LOOP, num_stages=STAGES):
         gid, gmask, offs, mask = _tile(first_group, j, n, groups_per_row, total_groups, BLOCK_G, G, EVEN_ROWS)
         blane = tl.arange(0, G // 2)[None, :]  # the tile's packed codes: [BLOCK_G, G/2] bytes
         if EVEN_ROWS:
