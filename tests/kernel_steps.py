@@ -31,3 +31,16 @@ def kernel_and_reference(device, dtype, layout, shapes, steps=3, amsgrad=False, 
                                  sr_salt=None if sr_salts is None else sr_salts[i],
                                  state_salt=None if state_salts is None else state_salts[i], **hyper)
     return params, ref_p, states, ref_s
+
+
+def non_finite_grad(step: int, device="cpu", generator=None) -> torch.Tensor:
+    """A small (8, 256) gradient with infinities at every step (one moving) and, at step 0, two NaNs: one beside
+    live values, one the only nonzero value of its group of 128 (its scale 0, the NaN to be kept)."""
+    g = (torch.randn(8, 256, generator=generator) * 1e-3).to(device)
+    if step == 0:
+        g[1, 5] = float("nan")
+        g[6, :128] = 0.0
+        g[6, 3] = float("nan")
+    g[2, 9 + step] = float("inf")
+    g[5, 200] = -float("inf")
+    return g

@@ -17,7 +17,7 @@ from lpoptim.optim.reference import load_moment, reference_adamw_step
 from lpoptim.optim.state import StateLayout, init_state
 from lpoptim.quant import to_groups
 
-from kernel_steps import kernel_and_reference
+from kernel_steps import kernel_and_reference, non_finite_grad
 
 SHAPES = [(48, 256), (5, 200), (1000,), (3, 7, 130), (16, 128)]
 
@@ -253,13 +253,7 @@ def _non_finite_gradients_with_amsgrad(device, layout):
     pr, s, sr = p.clone(), init_state(p, layout, True), init_state(p, layout, True)
     hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, amsgrad=True, maximize=False)
     for step in range(3):
-        g = torch.randn(8, 256, device=device) * 1e-3
-        if step == 0:
-            g[1, 5] = float("nan")
-            g[6, :128] = 0.0  # a group whose only nonzero moment is a NaN: scale 0, the NaN kept
-            g[6, 3] = float("nan")
-        g[2, 9 + step] = float("inf")
-        g[5, 200] = -float("inf")
+        g = non_finite_grad(step, device)
         kernel.fused_adamw_step([(p, g, s, layout)], **hyper)
         reference_adamw_step(pr, g, sr, layout, **hyper)
         _compare([p], [pr], [s], [sr], layout)
