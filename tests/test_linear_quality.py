@@ -28,7 +28,7 @@ def _run(recipe):
 
 @pytest.fixture(scope="module")
 def runs():
-    workers = min(len(RECIPES), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    workers = min(len(RECIPES), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     if workers < 2:
         return {r: _run(r) for r in RECIPES}
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:

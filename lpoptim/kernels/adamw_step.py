@@ -328,12 +328,14 @@ _STATE_KEYS4 = ("exp_avg_codes4", "exp_avg_scale", "exp_avg_sq_codes4", "exp_avg
 # Launch settings: groups per tile, warps per program, tiles per program, and the loop's software pipelining
 # (num_stages: the next tiles' loads issued while one is computed). Read-only: tests swap in their own. Each case
 # its own, the best of sweeps on an H100 (torch 2.11, triton 3.6; lab scripts not kept), 1.24 B parameters back to
-# back: FP8 states (and fp32 moments) with fp16/bf16 parameters, with or without stochastic rounding, 4 groups, 1
-# warp, 8 tiles, 3 stages (rounding 4.49 ms where the unpipelined (2, 1, 8) took 5.13; without 4.30 against 4.63),
-# with fp32 parameters (2, 1, 2, 3 stages) 6.58 against 6.84 (a 27-setting sweep around each: groups 2-8, tiles
-# 2-8, stages 2-4). 4-bit states: fp32 (4, 4, 8) and bf16 without rounding (2, 1, 16) gain nothing from stages
-# (5.96 and 4.23 ms); bf16 with rounding (4, 1, 32, 3 stages) 4.19 against 4.43 (groups 2-4, tiles 16-64,
-# stages 3-4). docs/results/optim_step_h100.json holds benchmarks/optim_step.py's times with these.
+# back (the sweeps' times): FP8 states (and fp32 moments) with fp16/bf16 parameters, with or without stochastic
+# rounding, 4 groups, 1 warp, 8 tiles, 3 stages (rounding 4.49 ms where the unpipelined (2, 1, 8) took 5.13;
+# without 4.30 against 4.63), with fp32 parameters (2, 1, 2, 3 stages) 6.58 against 6.84 (a 27-setting sweep around
+# each: groups 2-8, tiles 2-8, stages 2-4). 4-bit states: fp32 (4, 4, 8) and bf16 without rounding (2, 1, 16) gain
+# nothing from stages (5.96 and 4.23 ms; bf16 pipelined 4.28-4.95); bf16 with rounding (4, 1, 32, 3 stages) 4.19
+# against 4.43 (groups 2-4, tiles 16-64, stages 3-4). docs/results/optim_step_h100.json holds
+# benchmarks/optim_step.py's times with these, alternating with the unpipelined settings (FP8 with rounding there:
+# 4.58-4.65 ms).
 _SETTINGS = ("block_groups", "num_warps", "loop", "stages")
 TUNING = MappingProxyType({k: MappingProxyType(dict(zip(_SETTINGS, v))) for k, v in {
     "half": (4, 1, 8, 3), "fp32": (2, 1, 2, 3),  # FP8 states, or fp32 moments
