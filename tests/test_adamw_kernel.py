@@ -265,9 +265,7 @@ def _non_finite_gradients_with_amsgrad(device, layout):
         g = non_finite_grad(step, device, gen)
         kernel.fused_adamw_step([(p, g, s, layout)], **hyper)
         reference_adamw_step(pr, g, sr, layout, **hyper)
-        _compare([p], [pr], [s], [sr], layout)
-        for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-            assert torch.equal(load_moment(s, name, layout).isnan(), load_moment(sr, name, layout).isnan()), name
+        _compare([p], [pr], [s], [sr], layout)  # NaN masks of the moments and parameters included
     assert torch.isnan(load_moment(s, "max_exp_avg_sq", layout)[1, 5])
 
 

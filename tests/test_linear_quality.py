@@ -28,7 +28,8 @@ def _run(recipe):
 
 @pytest.fixture(scope="module")
 def runs():
-    workers = min(len(RECIPES), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = min(len(RECIPES), cores)
     if workers < 2:
         return {r: _run(r) for r in RECIPES}
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:

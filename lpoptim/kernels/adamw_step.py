@@ -4,11 +4,10 @@ Each program walks LOOP tiles of BLOCK_G quantization groups of one tensor, the 
 one is computed (software pipelining; the settings per case, measured on an H100: TUNING). It reads the
 parameter, the gradient, the FP8 codes and group scales of m and v once, dequantizes (undoing the range
 expansion), applies the AdamW update in fp32, finds the new group statistics, re-expands, rounds onto the FP8 grid
-and writes parameter, codes and scales once. Small tensors with
-fp32 moments take the same kernel with QUANT off. Tensors are reached through a table of addresses, so a whole
-batch (all parameters of one dtype and layout) is one launch; the table and the program->tensor map are cached
-and rebuilt only when an address or a shape changes. Step counts and bias corrections stay on the device: no
-host sync, and the step can be captured in a CUDA graph.
+and writes parameter, codes and scales once. Small tensors with fp32 moments take the same kernel with QUANT off.
+Tensors are reached through a table of addresses, so a whole batch (all parameters of one dtype and layout) is
+one launch; the table and the program->tensor map are cached and rebuilt only when an address or a shape changes.
+Step counts and bias corrections stay on the device: no host sync, and the step can be captured in a CUDA graph.
 
 The arithmetic follows the reference (optim/reference.py, quant.encode_groups/decode_groups) in the same order,
 with the GPU's one-instruction approximations where speed asked for them: lg2/ex2 for the expansion's powers
@@ -489,8 +488,7 @@ def _launch(items, dev, dtype, layout, even, *, lr, beta1, beta2, eps, weight_de
     common = dict(PARAM_DTYPE=_TL_DTYPES[dtype], G=layout.group_size, BLOCK_G=block_g, AMSGRAD=amsgrad,
                   MAXIMIZE=maximize, LR_IS_TENSOR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None,
                   HAS_FOUND_INF=found_inf is not None, LOOP=loop, STAGES=tune["stages"], EVEN_ROWS=even,
-                  ON_GPU=not interpreted(),
-                  ALIGNED=plan.aligned, num_warps=tune["num_warps"], enable_fp_fusion=True)
+                  ON_GPU=not interpreted(), ALIGNED=plan.aligned, num_warps=tune["num_warps"], enable_fp_fusion=True)
     # through the cached launcher (launch.py): Triton's own launch binds and specializes all of these arguments on
     # every call, and stepping in backward launches once per bucket, ~40 times a step at 7B
     if layout.quantized and layout.state_bits == 4:  # the 4-bit codec's kernel: the same tables and arguments

@@ -46,9 +46,13 @@ def why_not(model: nn.Module) -> str | None:
     for b in bases:  # a forward of the user's own may make positions its own way
         if not type(b).forward.__module__.startswith("transformers."):
             return f"{type(b).__name__}.forward is not transformers' own"
-    if not any("position_ids" in inspect.signature(type(b).forward).parameters for b in bases):
+    if not any(_takes_positions(b) for b in bases):
         return f"{name} has no base model whose forward takes position_ids"
     return None
+
+
+def _takes_positions(module: nn.Module) -> bool:
+    return "position_ids" in inspect.signature(type(module).forward).parameters
 
 
 def _masking_utils():
@@ -121,7 +125,7 @@ def skip_packed_check(model: nn.Module) -> _Handle:
     _install_answer()
     wrapped = []
     for base in base_models(model):
-        if _ATTR not in base.__dict__ and "position_ids" in inspect.signature(type(base).forward).parameters:
+        if _ATTR not in base.__dict__ and _takes_positions(base):
             install_forward(base, _ATTR, _OwnPositionsForward(base, base.forward, had_own_forward(base)))
             wrapped.append(base)
     return _Handle(wrapped)
