@@ -20,12 +20,14 @@ Optimizer runs (--optimizers, lpoptim's recipe names): ``torch`` and ``lpoptim``
 parameters instead of fp32 masters (no fp32 copy anywhere; gradients reduced in fp32, or with ``--bf16-reduce``
 in bf16, their own dtype; lpoptim rounds the update stochastically);
 ``+act`` adds compress_activations on every block; ``+s4`` keeps lpoptim's moments in 4 bits (state_bits=4).
-``prepare`` (``+bf16``: bf16 parameters) converts the blocks' linears to FP8 before sharding (on GPUs with FP8
-tensor cores) and calls ``lpoptim.prepare`` after ``fully_shard``: blocks compiled, the step in backward, the head
-and loss chunked. ``--compile`` compiles the blocks of the torch and lpoptim runs too. ``--blocks-per-shard 1,4``
-shards consecutive blocks in groups of that size (one ``fully_shard`` call on the list: one all-gather and one
-reduce-scatter per group), every run once per size (named ``torch@4`` and so on where there are several). Each run
-is compared with the first that ran (``torch`` by default; a run out of memory is recorded as such).
+``prepare`` (``+bf16``: bf16 parameters) converts the blocks' linears to FP8 before sharding (on GPUs with FP8 tensor
+cores) and calls ``lpoptim.prepare`` after ``fully_shard``: blocks compiled, the step in backward, the head and loss
+chunked. ``--compile`` compiles the blocks of the torch and lpoptim runs too. ``--all-gathers fp8,bf16`` runs each
+``prepare`` run with its low-bit layers' weights gathered in FP8 (``lpoptim.nn.fp8_all_gather``) and in their own
+dtype (FSDP2's gather, the default), named ``run/fp8-gather``, ``run/bf16-gather`` where there are several.
+``--blocks-per-shard 1,4`` shards consecutive blocks in groups of that size (one ``fully_shard`` call on the list: one
+all-gather and one reduce-scatter per group), every run once per size (named ``torch@4`` and so on where there are
+several). Each run is compared with the first that ran (``torch`` by default; a run out of memory is recorded as such).
 """
 from __future__ import annotations
 
@@ -69,6 +71,13 @@ def positive_int_list(text: str) -> list[int]:
     if len(set(sizes)) < len(sizes):
         raise argparse.ArgumentTypeError(f"each size once, got {text!r}")
     return sizes
+
+
+def gather_list(text: str) -> list[str]:
+    kinds = text.split(",")
+    if not kinds or any(k not in ("fp8", "bf16") for k in kinds) or len(set(kinds)) < len(kinds):
+        raise argparse.ArgumentTypeError(f"a comma list of fp8 and bf16, each once, got {text!r}")
+    return kinds
 
 
 # the model is lpoptim.train.llama's (what `lpoptim bench` times); "small" is a CPU smoke test
@@ -140,7 +149,8 @@ def optimizer_run(opt_name: str) -> Stack:
     return stack
 
 
-def run_one(opt_name: str, c: LlamaConfig, args, device, mesh, blocks_per_shard: int = 1) -> dict:
+def run_one(opt_name: str, c: LlamaConfig, args, device, mesh, blocks_per_shard: int = 1,
+            all_gather: str = "bf16") -> dict:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -160,6 +170,8 @@ def run_one(opt_name: str, c: LlamaConfig, args, device, mesh, blocks_per_shard:
         model.chunked_loss = True  # the head and loss chunk by chunk (prepare's chunked loss is HF's hook)
         activations = {"auto": "auto", "none": None}.get(args.prepare_activations, args.prepare_activations)
         opt = lpoptim.prepare(model, lr=1e-4, weight_decay=0.1, activations=activations, state_bits=stack.state_bits)
+        if all_gather == "fp8":
+            lpoptim.nn.fp8_all_gather(model)
         plan = opt.plan.summary()
     elif args.compile and not stack.compress:  # torch and lpoptim runs: each block compiled in place, as prepare does
         for layer in model.layers:
@@ -198,6 +210,7 @@ def run_one(opt_name: str, c: LlamaConfig, args, device, mesh, blocks_per_shard:
     return {
         "optimizer": opt_name,
         "blocks_per_shard": blocks_per_shard,
+        "all_gather": all_gather if base == "prepare" else None,
         "fsdp_units": units,
         "params": n_params,
         "peak_gib_per_gpu": stats[0].item() / 2**30 if device.type == "cuda" else None,
@@ -246,6 +259,10 @@ def main(argv=None):
     ap.add_argument("--prepare-activations", choices=["auto", "none", *ACTIVATIONS[1:]], default="auto",
                     help="prepare runs: what the blocks save (prepare's activations=; auto: nothing changed, as "
                          "prepare takes no memory budget under FSDP2). recompute: each block's input in FP8 only")
+    ap.add_argument("--all-gathers", type=gather_list, default=["bf16"],
+                    help="comma list of fp8, bf16: how prepare runs gather their low-bit layers' weights "
+                         "(lpoptim.nn.fp8_all_gather or FSDP2's own), each run once per choice (named "
+                         "run/fp8-gather, run/bf16-gather where there are several)")
     ap.add_argument("--bf16-reduce", action="store_true",
                     help="runs with bf16 parameters (+bf16) reduce-scatter their gradients in bf16 rather than fp32")
     ap.add_argument("--compile", action="store_true",
@@ -315,18 +332,21 @@ def main(argv=None):
         if args.layers:
             name, c = f"{name} widths, {args.layers} layers", replace(c, n_layer=args.layers)
         runs = {}
-        for group in args.blocks_per_shard:
-            for opt_name in args.optimizers.split(","):
-                # one size keeps the runs' plain names; several tell them apart by their size (torch@1, torch@4)
-                run_key = opt_name if len(args.blocks_per_shard) == 1 else f"{opt_name}@{group}"
-                try:
-                    runs[run_key] = run_one(opt_name, c, args, device, mesh, group)
-                except torch.cuda.OutOfMemoryError as e:  # report, go on with the next
-                    runs[run_key] = {"optimizer": opt_name, "blocks_per_shard": group,
-                                 "error": f"OOM: {str(e).splitlines()[0]}"}
-                    gc.collect()
-                    torch.cuda.empty_cache()
-                save(results + [compared(name, c, runs)])
+        gathers = args.all_gathers
+        for group, opt_name, gather in [(g, o, a) for g in args.blocks_per_shard for o in args.optimizers.split(",")
+                                        for a in (gathers if o.startswith("prepare") else gathers[:1])]:
+            # one size keeps the runs' plain names; several tell them apart by their size (torch@1, torch@4)
+            run_key = opt_name if len(args.blocks_per_shard) == 1 else f"{opt_name}@{group}"
+            if len(gathers) > 1 and opt_name.startswith("prepare"):
+                run_key += f"/{gather}-gather"
+            try:
+                runs[run_key] = run_one(opt_name, c, args, device, mesh, group, gather)
+            except torch.cuda.OutOfMemoryError as e:  # report, go on with the next
+                runs[run_key] = {"optimizer": opt_name, "blocks_per_shard": group,
+                             "error": f"OOM: {str(e).splitlines()[0]}"}
+                gc.collect()
+                torch.cuda.empty_cache()
+            save(results + [compared(name, c, runs)])
         results.append(compared(name, c, runs))
 
     if rank == 0:

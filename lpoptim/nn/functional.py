@@ -18,6 +18,7 @@ import torch
 from ..formats import E2M1
 from ..quant import absmax_scale
 from .fp4 import dge_derivative, occ_split, residual_matmul
+from .gathered_weight import gathered_operand, gathered_transposed
 from .operands import Operand, gemm, padded, quantize, quantize_pair, tensor_amax, use_kernels
 from .recipes import Recipe
 from .weight_scale import quantize_weight_prev
@@ -47,6 +48,9 @@ def _quantize_wt(w, r: Recipe, w_stat, hw=None) -> Operand:
     frozen weight's forward, which quantizes W without a statistic), per tensor with ``hw`` (W's amax history:
     delayed scaling) one pass that records W's absmax."""
     spec = r.specs.wt
+    wt = gathered_transposed(w)  # W arrived in FP8 (an FP8 all-gather): its values transposed, the same scale
+    if wt is not None:
+        return wt
     if w_stat is None:
         return quantize(w.t(), spec, history=hw)
     per_tensor = w_stat.dim() == 0  # what the forward left: one absmax, or one maximum per column
@@ -192,7 +196,9 @@ def lowbit_backward(g2, w, xt: Operand | None, w_stat, r: Recipe, need_dx: bool,
 class Fp8LinearFunction(_LowBitLinearFunction):
     @staticmethod
     def forward_gemm(x2, w, r, out_dtype, hx=None):
-        return gemm(quantize(x2, r.specs.x, history=hx), quantize(w, r.specs.w), out_dtype, r.fast_accum)
+        wq = gathered_operand(w)
+        wq = quantize(w, r.specs.w) if wq is None else wq
+        return gemm(quantize(x2, r.specs.x, history=hx), wq, out_dtype, r.fast_accum)
 
     @staticmethod
     def forward_gemm_and_xt(x2, w, r, out_dtype, hx=None, hw=None, w_state=None):
@@ -203,9 +209,10 @@ class Fp8LinearFunction(_LowBitLinearFunction):
         # absmax its scale came from, delayed or current: no absmax pass), then x for the forward and xᵀ for dW,
         # in two passes over x
         s = r.specs
-        if w_state is not None and s.w_kept.scaling == "delayed":
+        wq = gathered_operand(w)  # arrived in FP8, scaled by its own absmax (nn/fp8_all_gather.py)
+        if wq is None and w_state is not None and s.w_kept.scaling == "delayed":
             wq = quantize_weight_prev(w, s.w_kept.fmt, padded(w.shape[1], s.w_kept.pad_to), w_state)
-        else:
+        elif wq is None:
             wq = quantize(w, s.w_kept, history=hw)
         xq, xt = quantize_pair(x2, s.x, s.xt, history=hx)
         return gemm(xq, wq, out_dtype, r.fast_accum), xt, wq.amax

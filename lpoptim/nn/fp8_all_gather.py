@@ -1,0 +1,240 @@
+"""FSDP2 all-gathers of low-bit linears' weights in FP8: half the bytes of bf16 on the wire, and no cast after.
+
+FSDP2 gathers each unit's weights before its forward and again before its backward, in the parameters' dtype (2
+bytes an element for bf16). A low-bit linear whose forward is E4M3 per tensor (fp8_tensor, fp8_tensor_fast,
+fp8_delayed) then casts the whole gathered weight to E4M3 by its absmax, and again, transposed, for the backward.
+With ``fp8_all_gather(model)`` each rank casts its own shard instead, by the absmax of the whole weight (the shards'
+maxima, all-reduced at the start of the model's forward), and the all-gather carries the E4M3 values.
+The layer takes them as they are (nn/gathered_weight.py): the values it would have cast from the gathered weight.
+
+Where that differs from gathering bf16:
+- eager layers with delayed scaling (fp8_delayed) scale such a W by its own absmax (current scaling; compiled
+  layers always do), and ``previous_weight_scale`` is not used for it;
+- code other than the layer's forward that reads the gathered weight (a layer under its ``min_tokens``, running
+  nn.Linear's forward) gets the dequantized E4M3 weight, not the bf16 one.
+
+Only weights held by one layer (not tied), sharded on dim 0 (FSDP2's default), on the ranks' devices (no CPU
+offload) and resharded after forward with the whole mesh (``reshard_after_forward`` True or False) are gathered in
+FP8; the others as before. FSDP2's extension hooks (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, which
+torchao's float8 all-gather uses on a weight subclass) are set on each weight's local shard, a plain tensor: the
+optimizer, checkpoints and everything else see the parameters unchanged. FSDP2 replaces a local shard only when
+a parameter is reassigned (``load_state_dict(assign=True)``, ``to_empty``); the model's forward pre-hook sets the
+hooks again there.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..formats import E4M3
+from ..kernels.grid import interpreted
+from ..quant import absmax_scale
+from .convert import is_fsdp_unit
+from .gathered_weight import GatheredFp8Weight
+from .linear import LowBitLinear
+from .operands import quantize, tensor_amax
+from .recipes import Recipe
+
+
+def gathers_in_fp8(recipe: Recipe) -> bool:
+    """Whether a layer of this recipe can take its weight gathered in FP8: E4M3 per tensor, forward and backward
+    (so that one scale serves W and Wᵀ)."""
+    return (recipe.fwd_fmt == "e4m3" and recipe.bwd_fmt == "e4m3" and recipe.granularity == "tensor"
+            and recipe.backward_granularity == "tensor")
+
+
+def _why_not(fp) -> str | None:
+    """Why FSDP2's parameter ``fp`` is not gathered in FP8, or None where it is."""
+    info = fp._module_info
+    layer = info.module
+    if not (isinstance(layer, LowBitLinear) and info.param_name == "weight"):
+        return "not a low-bit linear's weight"
+    if not gathers_in_fp8(layer.recipe):
+        return f"recipe {layer.recipe.name} is not E4M3 per tensor"
+    if info.shared_modules:
+        return "shared with another module"
+    post_forward = fp.post_forward_mesh_info  # the mesh itself, or None: resharded with the whole mesh, or kept
+    if fp.fsdp_placement.dim != 0 or fp.offload_to_cpu or post_forward not in (None, fp.mesh_info):
+        return "sharded other than FSDP2's default (dim 0, on the device, resharded with the whole mesh)"
+    return None
+
+
+_SCALE_STRIDE = 32  # fp32 elements: 128 bytes
+
+
+class _Weights:
+    """Every FP8-gathered weight of the model, by unit. Their absmaxes (and E4M3 scales) are taken at the start of
+    each forward of the model, before any unit is gathered, with one all-reduce for them all: the weights change
+    only between forwards (an optimizer step), and a collective per unit would queue on the communicator's stream
+    behind the all-gathers and reduce-scatters in flight, holding each all-gather until they end (a 7B step on two
+    GPUs took 1.5x as long). A unit's shards are cast together when FSDP2 asks for its first weight's all-gather
+    input (on CUDA one launch: kernels/multi_cast.py); the hooks then return views. FSDP2 calls its hooks once per
+    weight and gather, on the host (224 weights and 16 gathers a step for a 7B model): each must cost little."""
+
+    def __init__(self, units: list[list], group):
+        self.units, self.group = units, group
+        self.fsdp_params = [fp for unit in units for fp in unit]
+        # fp -> (its unit's index, its place in the unit, its place in the model's list)
+        self.where = {}
+        for u, unit in enumerate(units):
+            for i, fp in enumerate(unit):
+                self.where[id(fp)] = (u, i, len(self.where))
+        self.plans = self.amax_all = self.amax = self.scale = self.ready = None
+        self.cast = [None] * len(units)
+
+    def _shards(self) -> list[torch.Tensor]:
+        return [fp._sharded_local_tensor for fp in self.fsdp_params]
+
+    def take_all(self) -> None:
+        shards = self._shards()
+        # the kernels on CUDA (and under Triton's interpreter, which tests them on the CPU)
+        cuda = (shards[0].is_cuda or interpreted()) and len({t.dtype for t in shards}) == 1
+        if cuda and self.plans is None:  # the shards' addresses: made again after _attach
+            from ..kernels.multi_cast import CastPlan, address_table
+            self.table = address_table(shards)
+            self.plans = [CastPlan([fp._sharded_local_tensor for fp in unit], [_padded_rows(fp) * fp._orig_size[1]
+                                                                               for fp in unit]) for unit in self.units]
+        if cuda:
+            from ..kernels.multi_cast import absmax_many
+            amax = absmax_many(shards, self.table)
+        else:
+            amax = torch.stack([tensor_amax(t) if t.numel() else t.new_zeros((), dtype=torch.float32)
+                                for t in shards])
+        if dist.get_world_size(self.group) > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+        # new tensors every forward (never written in place): a backward may still hold the last ones. Each scale
+        # 128 bytes from the next: cuBLASLt refuses a scale pointer that is not aligned (NOT_SUPPORTED)
+        scale = amax.new_zeros((len(shards), _SCALE_STRIDE))
+        scale[:, 0] = absmax_scale(amax, E4M3)
+        self.amax_all, self.amax, self.scale = amax, amax.unbind(), scale[:, 0].unbind()
+        self.cast = [None] * len(self.units)
+        self.ready = torch.cuda.Event() if amax.is_cuda else None
+        if self.ready is not None:
+            self.ready.record()
+
+    def input_of(self, fp):
+        """(``fp``'s all-gather input: its shard in E4M3, padded to FSDP2's padded shard rows; its absmax; its
+        scale)."""
+        if self.amax is None:  # a unit run without the model's forward first
+            self.take_all()
+        u, i, k = self.where[id(fp)]
+        unit = self.units[u]
+        if i == 0 or self.cast[u] is None:  # the unit's first weight: all of its shards cast now
+            if self.ready is not None:  # (on the stream FSDP2 prepares the all-gather on)
+                torch.cuda.current_stream().wait_event(self.ready)
+            if self.plans is not None:
+                self.cast[u] = self.plans[u].cast(self.amax_all[k - i:k - i + len(unit)])
+            else:
+                self.cast[u] = [_cast_ref(f, self.amax[k - i + j]) for j, f in enumerate(unit)]
+        if self.plans is not None:
+            plan = self.plans[u]
+            values = self.cast[u][plan.starts[i]:plan.starts[i + 1]].view(_padded_rows(fp), fp._orig_size[1])
+        else:
+            values = self.cast[u][i]
+        if i == len(unit) - 1:  # the last view taken: the buffer lives as long as FSDP2 holds the views
+            self.cast[u] = None
+        return values, self.amax[k], self.scale[k]
+
+
+def _padded_rows(fp) -> int:
+    """The rows of FSDP2's padded shard of ``fp`` (dim 0 split as torch.chunk does, padded to the first's)."""
+    return -(-fp._orig_size[0] // fp.mesh_info.shard_mesh_size)
+
+
+def _cast_ref(fp, amax) -> torch.Tensor:
+    """One shard in E4M3 by ``amax``, zero-padded to FSDP2's padded shard rows, by quantize() (where the
+    many-tensor kernel does not run: off CUDA, or shards of several dtypes)."""
+    shard = fp._sharded_local_tensor
+    values = shard.new_zeros((_padded_rows(fp), fp._orig_size[1]), dtype=torch.float8_e4m3fn)
+    if shard.numel():
+        values[:shard.shape[0]] = quantize(shard, fp._module_info.module.recipe.specs.w, amax=amax).values
+    return values
+
+
+class _PreAllGather:
+    """The shard, cast to E4M3 by the whole weight's absmax: the all-gather's input (padded to FSDP2's padded
+    shard rows); the absmax and scale travel as metadata."""
+    # FSDP2 reads the hook's signature at every gather: given, not inspected
+    __signature__ = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in
+                                       ("mesh", "outer_size", "outer_stride", "module", "mp_policy")])
+
+    def __init__(self, fp, weights: _Weights):
+        self.fp, self.weights = fp, weights
+
+    def __call__(self, mesh, outer_size, outer_stride, module, mp_policy):
+        values, amax, scale = self.weights.input_of(self.fp)
+        return (values,), (amax, scale)
+
+
+class _PostAllGather:
+    """The gathered E4M3 values as the unsharded parameter: a GatheredFp8Weight of the parameter's dtype."""
+
+    def __call__(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        (values,), (amax, scale) = all_gather_outputs, metadata
+        if out is not None:  # FSDP2 refilled the storage of the values it holds; the scale is this gather's
+            out._amax, out._scale = amax, scale
+            return None
+        return GatheredFp8Weight(values, scale, amax, param_dtype), (values,)
+
+
+def _attach(fp, weights: _Weights) -> None:
+    shard = fp._sharded_local_tensor
+    shard.fsdp_pre_all_gather = _PreAllGather(fp, weights)
+    shard.fsdp_post_all_gather = _PostAllGather()
+    fp._init_extensions()
+    fp.all_gather_outputs = []  # made again, in E4M3, by the next all-gather
+    if hasattr(fp, "_unsharded_param"):  # a bf16 one from an earlier gather: the next is made from E4M3 values
+        del fp._unsharded_param
+    weights.plans = None  # the shards' addresses are read again
+
+
+def fp8_all_gather(model: nn.Module) -> list[str]:
+    """Have FSDP2 gather the weights of ``model``'s low-bit linears in FP8 (the module docstring says which and
+    what changes). ``model``: the module whose forward each step runs (FSDP2's root), after ``fully_shard``, with
+    every unit resharded (as after construction or a training step). Returns the qualified names of those layers."""
+    names = {id(m): n for n, m in model.named_modules()}
+    units, seen = [], set()
+    for unit in model.modules():
+        if not is_fsdp_unit(unit):
+            continue
+        group = unit._get_fsdp_state()._fsdp_param_group
+        if group is None or id(group) in seen:
+            continue
+        seen.add(id(group))
+        fps = [fp for fp in group.fsdp_params if _why_not(fp) is None]
+        if fps:
+            units.append(fps)
+    fps = [fp for unit in units for fp in unit]
+    if not fps:
+        return []
+    if any(isinstance(getattr(fp._sharded_local_tensor, "fsdp_pre_all_gather", None), _PreAllGather) for fp in fps):
+        raise ValueError("fp8_all_gather: this model's weights are gathered in FP8 already")
+    if any(fp.sharded_state.name != "SHARDED" for fp in fps):
+        raise ValueError("fp8_all_gather: an FSDP2 unit holds its gathered weights now; call it with every unit "
+                         "resharded (unit.reshard())")
+    groups = {tuple(dist.get_process_group_ranks(fp.mesh_info.shard_process_group)) for fp in fps}
+    if len(groups) > 1:
+        raise ValueError("fp8_all_gather: the model's units shard over different meshes")
+    weights = _Weights(units, fps[0].mesh_info.shard_process_group)
+    for fp in fps:
+        _attach(fp, weights)
+    model.register_forward_pre_hook(_BeforeForward(weights), prepend=True)
+    return [names.get(id(fp._module_info.module), "?") for fp in fps]
+
+
+class _BeforeForward:
+    """The model's forward pre-hook, before FSDP2's own: the weights' absmaxes for this forward's gathers, and the
+    hooks set again on a local shard FSDP2 replaced."""
+
+    def __init__(self, weights: _Weights):
+        self.weights = weights
+
+    @torch.compiler.disable
+    def __call__(self, module, args):
+        for fp in self.weights.fsdp_params:
+            if not isinstance(getattr(fp._sharded_local_tensor, "fsdp_pre_all_gather", None), _PreAllGather):
+                _attach(fp, self.weights)
+        self.weights.take_all()

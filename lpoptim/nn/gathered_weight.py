@@ -1,0 +1,73 @@
+"""A weight that arrives already in FP8: what an FP8 all-gather (nn/fp8_all_gather.py) gives a low-bit linear.
+
+``GatheredFp8Weight`` is a tensor subclass with the parameter's shape and dtype (bf16, say) holding E4M3 values and
+their per-tensor scale. The low-bit layer reads it as its W operand (no cast) and, transposed, as the backward's Wᵀ
+(the same scale: per tensor, Wᵀ's absmax is W's), so its arithmetic is what it would have done with the bf16
+weight. Everything else that touches it (a layer below ``min_tokens`` running nn.Linear's forward, a print) sees
+the dequantized weight: each op other than the views FSDP2 makes runs on ``values * scale`` in the reported dtype.
+Traceable (``__tensor_flatten__``): torch.compile takes it as a graph input made of its inner tensors.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from .operands import Operand
+
+aten = torch.ops.aten
+# the ops that keep it FP8: FSDP2 makes the unsharded parameter with as_strided, nn.Parameter detaches it
+_VIEWS = {aten.detach.default, aten.alias.default, aten.as_strided.default, aten.view.default}
+
+
+class GatheredFp8Weight(torch.Tensor):
+    """``values`` (N, K) float8_e4m3fn, contiguous; ``scale`` 0-dim fp32 (values * scale is the weight);
+    ``amax`` 0-dim fp32, the absmax the scale came from; ``dtype``: the dtype it reports (the parameter's)."""
+
+    @staticmethod
+    def __new__(cls, values: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
+        return torch.Tensor._make_wrapper_subclass(cls, values.shape, strides=values.stride(),
+                                                   storage_offset=values.storage_offset(), dtype=dtype,
+                                                   device=values.device, requires_grad=False)
+
+    def __init__(self, values, scale, amax, dtype):
+        self._values, self._scale, self._amax = values, scale, amax
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __tensor_flatten__(self):
+        return ["_values", "_scale", "_amax"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(inner, dtype, outer_size, outer_stride):
+        return GatheredFp8Weight(inner["_values"], inner["_scale"], inner["_amax"], dtype)
+
+    def __repr__(self):
+        return f"GatheredFp8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, amax={self._amax})"
+
+    def dequantize(self) -> torch.Tensor:
+        return (self._values.float() * self._scale).to(self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _VIEWS:
+            w = args[0]
+            return GatheredFp8Weight(func(w._values, *args[1:], **kwargs), w._scale, w._amax, w.dtype)
+        args, kwargs = tree_map_only(GatheredFp8Weight, GatheredFp8Weight.dequantize, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def gathered_operand(w) -> Operand | None:
+    """W's forward operand where ``w`` arrived in FP8 (values, scale, and its absmax as what the backward's Wᵀ
+    takes its scale from); None for any other weight."""
+    if not isinstance(w, GatheredFp8Weight):
+        return None
+    return Operand(w._values, w._scale, w._amax)
+
+
+def gathered_transposed(w) -> Operand | None:
+    """Wᵀ's operand for the backward's dx = dy W where ``w`` arrived in FP8: its values transposed, the same scale
+    (what quantizing Wᵀ per tensor with W's absmax gives); None for any other weight."""
+    if not isinstance(w, GatheredFp8Weight):
+        return None
+    return Operand(w._values.t().contiguous(), w._scale, w._amax)
