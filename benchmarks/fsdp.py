@@ -343,7 +343,8 @@ def main(argv=None):
                 runs[run_key] = run_one(opt_name, c, args, device, mesh, group, gather)
             except torch.cuda.OutOfMemoryError as e:  # report, go on with the next
                 runs[run_key] = {"optimizer": opt_name, "blocks_per_shard": group,
-                             "error": f"OOM: {str(e).splitlines()[0]}"}
+                                 "all_gather": gather if opt_name.startswith("prepare") else None,
+                                 "error": f"OOM: {str(e).splitlines()[0]}"}
                 gc.collect()
                 torch.cuda.empty_cache()
             save(results + [compared(name, c, runs)])

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import lpoptim
-from lpoptim.kernels.multi_cast import CastPlan, absmax_many, address_table
+from lpoptim.kernels.multi_cast import CastPlan, TensorTable, absmax_many
 from lpoptim.nn.fp8_all_gather import fp8_all_gather, gathers_in_fp8
 from lpoptim.nn.gathered_weight import GatheredFp8Weight, gathered_operand, gathered_transposed
 from lpoptim.nn.operands import quantize, quantize_operand_ref
@@ -43,6 +43,8 @@ def test_gathered_weight_is_the_weight_in_fp8():
     deq = (g._values.float() * g._scale).bfloat16()
     assert torch.equal(F.linear(x, g), F.linear(x, deq))
     assert type(g + 0) is torch.Tensor
+    with pytest.raises(RuntimeError, match="read-only"):  # a write would land in a dequantized copy
+        g.add_(1)
     # its operands: W's values and scale, and Wᵀ as quantizing Wᵀ by W's absmax gives
     op, t = gathered_operand(g), gathered_transposed(g)
     ref_t = quantize(w.t(), RECIPES["fp8_tensor"].specs.wt, amax=op.amax)
@@ -89,29 +91,52 @@ def test_compiled_block_takes_gathered_weights():
         assert type(b) is torch.Tensor and torch.equal(a, b)
 
 
+def test_delayed_layer_scales_a_gathered_weight_by_its_own_absmax():
+    """Eager fp8_delayed scales W by the largest absmax of its recent calls; a gathered W comes scaled by its own
+    (current scaling): the two differ once W shrinks, and the gathered one is what fp8_tensor computes."""
+    torch.manual_seed(5)
+    x = torch.randn(7, 32, dtype=torch.bfloat16, requires_grad=True)
+    outs = {}
+    for name, recipe, gathered in (("delayed", "fp8_delayed", False), ("gathered", "fp8_delayed", True),
+                                   ("current", "fp8_tensor", False)):
+        torch.manual_seed(6)
+        layer = lpoptim.nn.LowBitLinear(32, 48, bias=False, dtype=torch.bfloat16, recipe=recipe)
+        layer(x).sum().backward()  # a first training call records W's absmax
+        with torch.no_grad():
+            layer.weight.mul_(0.3)  # W shrinks (not by a power of two, which E4M3 would absorb exactly)
+        if gathered:
+            layer._parameters["weight"] = torch.nn.Parameter(_gathered(layer.weight.detach()))
+        outs[name] = layer(x)
+    assert torch.equal(outs["gathered"], outs["current"])
+    assert not torch.equal(outs["gathered"], outs["delayed"])
+
+
 def test_which_recipes_gather_in_fp8():
     assert {name for name, r in RECIPES.items() if gathers_in_fp8(r)} == {"fp8_tensor", "fp8_tensor_fast",
                                                                          "fp8_delayed"}
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_many_tensor_kernels_match_the_reference(dtype):
+@pytest.mark.parametrize("dtype, round_to", [(torch.bfloat16, None), (torch.float32, None),
+                                             (torch.float32, torch.bfloat16)])
+def test_many_tensor_kernels_match_the_reference(dtype, round_to):
     torch.manual_seed(2)
     ts = [torch.randn(r, 32, dtype=dtype) * s for r, s in ((5, 1.0), (64, 0.02), (3, 300.0), (0, 1.0))]
     ts[1][3, 4], ts[1][2, 2], ts[2][0, 0] = float("inf"), float("nan"), -float("inf")
-    table = address_table(ts)
-    amax = absmax_many(ts, table)
-    assert torch.equal(amax, torch.stack([finite_absmax(t.float()) for t in ts]))
+    seen = [t if round_to is None else t.to(round_to) for t in ts]  # what the kernels must read
+    table = TensorTable(ts)
+    amax = absmax_many(table, round_to)
+    assert torch.equal(amax, torch.stack([finite_absmax(t.float()) for t in seen]))
     rows = [8, 64, 3, 2]  # slots of 8 and 2 rows: zero padding after the codes
-    plan = CastPlan(ts, [r * 32 for r in rows])
-    out = plan.cast(amax)
-    for i, t in enumerate(ts):
-        ref = quantize_operand_ref(t, "e4m3", "tensor", None, 32, amax[i]).values.view(torch.uint8).flatten()
-        got = out[plan.starts[i]:plan.starts[i + 1]].view(torch.uint8)
-        assert torch.equal(got[:t.numel()], ref), i
-        assert not got[t.numel():].any(), i
+    plan = CastPlan(table, [r * 32 for r in rows])
+    out = plan.cast(amax, round_to)
+    for i, t in enumerate(seen):
+        ref = quantize_operand_ref(t, "e4m3", "tensor", None, 32, amax[i]).values.flatten()
+        got = out[plan.starts[i]:plan.starts[i + 1]]
+        # the same codes, a NaN's sign aside (the rounded path's NaN keeps its own)
+        torch.testing.assert_close(got[:t.numel()].float(), ref.float(), rtol=0, atol=0, equal_nan=True)
+        assert not got[t.numel():].view(torch.uint8).any(), i
     with pytest.raises(ValueError, match="contiguous"):
-        address_table([ts[0].t()])
+        TensorTable([ts[0].t()])
 
 
 # ---- three gloo ranks -----------------------------------------------------------------------------------------
@@ -140,27 +165,29 @@ class Toy(torch.nn.Module):
         return self.head(x)
 
 
-def _train(rank: int, recipe: str, fp8: bool, break_shard: bool = False) -> dict:
-    from torch.distributed.fsdp import fully_shard
+def _train(rank: int, recipe: str, fp8: bool, break_shard: bool = False, fp32_masters: bool = False) -> dict:
+    """``fp32_masters``: fp32 parameters gathered in bf16 (MixedPrecisionPolicy), else bf16 parameters."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
-    model = Toy().to(torch.bfloat16)
+    model = Toy() if fp32_masters else Toy().to(torch.bfloat16)
     for i, b in enumerate(model.blocks):  # the last block in int4: gathered in bf16, as before
         lpoptim.nn.convert_linears(b, recipe if i < 3 else "int4", skip=())
-    fully_shard([model.blocks[0], model.blocks[1]])
-    fully_shard([model.blocks[2], model.blocks[3]])
-    fully_shard(model)
+    kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)) if fp32_masters else {}
+    fully_shard([model.blocks[0], model.blocks[1]], **kw)
+    fully_shard([model.blocks[2], model.blocks[3]], **kw)
+    fully_shard(model, **kw)
     names = fp8_all_gather(model) if fp8 else []
     seen = []
     model.blocks[1].up.register_forward_pre_hook(lambda m, a: seen.append(type(m.weight).__name__))
-    opt = lpoptim.AdamW(model.parameters(), lr=1e-2, bf16_stochastic_round=True)
+    opt = lpoptim.AdamW(model.parameters(), lr=1e-2, bf16_stochastic_round=not fp32_masters)
     gen = torch.Generator().manual_seed(rank)
     losses = []
     for step in range(STEPS):
         if break_shard and step == 1:  # as if FSDP2 had replaced a local shard: the hooks are set again
             shard = model.blocks[0].up.weight._local_tensor
             del shard.fsdp_pre_all_gather, shard.fsdp_post_all_gather
-        x = torch.randn(24, 64, generator=gen).bfloat16()
+        x = torch.randn(24, 64, generator=gen).to(torch.float32 if fp32_masters else torch.bfloat16)
         y = torch.randint(0, 16, (24,), generator=gen)
         loss = F.cross_entropy(model(x).float(), y)
         loss.backward()
@@ -178,13 +205,15 @@ def _worker(rank: int, init_file: str, out_dir: str):
     for recipe in ("fp8_tensor", "fp8_delayed"):
         for fp8 in (False, True):
             res[recipe, fp8] = _train(rank, recipe, fp8)
-    res["reattached"] = _train(rank, "fp8_tensor", True, break_shard=True)
-    # the casts by quantize(), one shard at a time (where the many-tensor kernel does not run)
+    for fp8 in (False, True):
+        res["fp32_masters", fp8] = _train(rank, "fp8_tensor", fp8, fp32_masters=True)
+    # the casts by quantize(), one shard at a time (where the many-tensor kernel does not run), and a shard that
+    # lost its hooks after the first step
     module = sys.modules["lpoptim.nn.fp8_all_gather"]  # (lpoptim.nn.fp8_all_gather is the function)
     kernels = module.interpreted
     module.interpreted = lambda: False
     try:
-        res["one_at_a_time"] = _train(rank, "fp8_tensor", True)
+        res["one_at_a_time"] = _train(rank, "fp8_tensor", True, break_shard=True)
     finally:
         module.interpreted = kernels
     # refused while a unit holds its gathered weights, and a second time
@@ -195,6 +224,10 @@ def _worker(rank: int, init_file: str, out_dir: str):
     fully_shard(model)
     model.blocks[0].unshard()
     res["refused"] = []
+    try:
+        fp8_all_gather(model.blocks)  # not a unit
+    except ValueError as e:
+        res["refused"].append(str(e))
     for _ in range(3):  # with a unit gathered; resharded (applied); applied again
         try:
             fp8_all_gather(model)
@@ -228,16 +261,18 @@ def test_fsdp2_fp8_gathers_train_bit_for_bit_as_bf16_gathers(ranks, recipe):
     assert _same(off, on)
 
 
-def test_hooks_set_again_on_a_replaced_shard(ranks):
-    assert set(ranks["reattached"]["seen"]) == {"GatheredFp8Weight"}
-    assert _same(ranks["reattached"], ranks["fp8_tensor", True])
+def test_fp32_masters_under_a_bf16_policy(ranks):
+    """The shards are rounded to bf16 before their absmax and cast, as FSDP2's bf16 gather rounds them."""
+    off, on = ranks["fp32_masters", False], ranks["fp32_masters", True]
+    assert set(on["seen"]) == {"GatheredFp8Weight"}
+    assert _same(off, on)
 
 
-def test_casts_one_shard_at_a_time_as_together(ranks):
+def test_casts_one_shard_at_a_time_as_together_and_hooks_set_again(ranks):
     assert set(ranks["one_at_a_time"]["seen"]) == {"GatheredFp8Weight"}
     assert _same(ranks["one_at_a_time"], ranks["fp8_tensor", True])
 
 
 def test_refused_while_a_unit_is_gathered_and_twice(ranks):
-    first, applied, again = ranks["refused"]
-    assert "resharded" in first and applied is None and "already" in again
+    not_root, first, applied, again = ranks["refused"]
+    assert "root" in not_root and "resharded" in first and applied is None and "already" in again

@@ -13,6 +13,10 @@ Where that differs from gathering bf16:
 - code other than the layer's forward that reads the gathered weight (a layer under its ``min_tokens``, running
   nn.Linear's forward) gets the dequantized E4M3 weight, not the bf16 one.
 
+The absmaxes are taken by ``model``'s forward pre-hook: a unit gathered outside the model's forward and backward
+after an optimizer step (an explicit ``unit.unshard()``) takes the last forward's, where a weight grown past it
+saturates at E4M3's largest value.
+
 Only weights held by one layer (not tied), sharded on dim 0 (FSDP2's default), on the ranks' devices (no CPU
 offload) and resharded after forward with the whole mesh (``reshard_after_forward`` True or False) are gathered in
 FP8; the others as before. FSDP2's extension hooks (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, which
@@ -56,6 +60,8 @@ def _why_not(fp) -> str | None:
         return f"recipe {layer.recipe.name} is not E4M3 per tensor"
     if info.shared_modules:
         return "shared with another module"
+    if fp.is_dtensor:  # a DTensor parameter (tensor parallelism under FSDP2): its gathered weight is a DTensor too
+        return "a DTensor parameter"
     post_forward = fp.post_forward_mesh_info  # the mesh itself, or None: resharded with the whole mesh, or kept
     if fp.fsdp_placement.dim != 0 or fp.offload_to_cpu or post_forward not in (None, fp.mesh_info):
         return "sharded other than FSDP2's default (dim 0, on the device, resharded with the whole mesh)"
@@ -70,7 +76,7 @@ class _Weights:
     each forward of the model, before any unit is gathered, with one all-reduce for them all: the weights change
     only between forwards (an optimizer step), and a collective per unit would queue on the communicator's stream
     behind the all-gathers and reduce-scatters in flight, holding each all-gather until they end (a 7B step on two
-    GPUs took 1.5x as long). A unit's shards are cast together when FSDP2 asks for its first weight's all-gather
+    GPUs ran far slower so). A unit's shards are cast together when FSDP2 asks for its first weight's all-gather
     input (on CUDA one launch: kernels/multi_cast.py); the hooks then return views. FSDP2 calls its hooks once per
     weight and gather, on the host (224 weights and 16 gathers a step for a 7B model): each must cost little."""
 
@@ -84,6 +90,11 @@ class _Weights:
                 self.where[id(fp)] = (u, i, len(self.where))
         self.plans = self.amax_all = self.amax = self.scale = self.ready = None
         self.cast = [None] * len(units)
+        # what FSDP2 would gather: the shard cast to the mixed-precision policy's param_dtype (None: as it is)
+        rounding = {_param_dtype(fp) for fp in self.fsdp_params}
+        self.round_to = rounding.pop() if len(rounding) == 1 else None
+        # one rounding for all, one the kernels make: the many-tensor kernels can take them
+        self.uniform = not rounding and self.round_to in (None, torch.bfloat16)
 
     def _shards(self) -> list[torch.Tensor]:
         return [fp._sharded_local_tensor for fp in self.fsdp_params]
@@ -91,18 +102,18 @@ class _Weights:
     def take_all(self) -> None:
         shards = self._shards()
         # the kernels on CUDA (and under Triton's interpreter, which tests them on the CPU)
-        cuda = (shards[0].is_cuda or interpreted()) and len({t.dtype for t in shards}) == 1
-        if cuda and self.plans is None:  # the shards' addresses: made again after _attach
-            from ..kernels.multi_cast import CastPlan, address_table
-            self.table = address_table(shards)
-            self.plans = [CastPlan([fp._sharded_local_tensor for fp in unit], [_padded_rows(fp) * fp._orig_size[1]
-                                                                               for fp in unit]) for unit in self.units]
-        if cuda:
+        kernels = (shards[0].is_cuda or interpreted()) and self.uniform and len({t.dtype for t in shards}) == 1
+        if kernels and self.plans is None:  # the shards' addresses: made again after _attach
+            from ..kernels.multi_cast import CastPlan, TensorTable
+            self.table = TensorTable(shards)
+            self.plans = [CastPlan(TensorTable([fp._sharded_local_tensor for fp in unit]),
+                                   [_padded_rows(fp) * fp._orig_size[1] for fp in unit]) for unit in self.units]
+        if kernels:
             from ..kernels.multi_cast import absmax_many
-            amax = absmax_many(shards, self.table)
+            amax = absmax_many(self.table, self.round_to)
         else:
-            amax = torch.stack([tensor_amax(t) if t.numel() else t.new_zeros((), dtype=torch.float32)
-                                for t in shards])
+            amax = torch.stack([tensor_amax(_as_gathered(fp)) if fp._sharded_local_tensor.numel() else
+                                shards[0].new_zeros((), dtype=torch.float32) for fp in self.fsdp_params])
         if dist.get_world_size(self.group) > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
         # new tensors every forward (never written in place): a backward may still hold the last ones. Each scale
@@ -126,7 +137,7 @@ class _Weights:
             if self.ready is not None:  # (on the stream FSDP2 prepares the all-gather on)
                 torch.cuda.current_stream().wait_event(self.ready)
             if self.plans is not None:
-                self.cast[u] = self.plans[u].cast(self.amax_all[k - i:k - i + len(unit)])
+                self.cast[u] = self.plans[u].cast(self.amax_all[k - i:k - i + len(unit)], self.round_to)
             else:
                 self.cast[u] = [_cast_ref(f, self.amax[k - i + j]) for j, f in enumerate(unit)]
         if self.plans is not None:
@@ -144,13 +155,26 @@ def _padded_rows(fp) -> int:
     return -(-fp._orig_size[0] // fp.mesh_info.shard_mesh_size)
 
 
+def _param_dtype(fp) -> torch.dtype | None:
+    """The dtype FSDP2 gathers ``fp`` in where it casts it (its policy's param_dtype), else None (FSDP2 sets its
+    own attribute for this at its first forward, after the model's forward pre-hook has run)."""
+    dtype = fp.mp_policy.param_dtype
+    return None if dtype in (None, fp.sharded_param.dtype) else dtype
+
+
+def _as_gathered(fp) -> torch.Tensor:
+    """The shard as FSDP2 would gather it: cast to the mixed-precision policy's param_dtype where it has one."""
+    shard, dtype = fp._sharded_local_tensor, _param_dtype(fp)
+    return shard if dtype is None else shard.to(dtype)
+
+
 def _cast_ref(fp, amax) -> torch.Tensor:
     """One shard in E4M3 by ``amax``, zero-padded to FSDP2's padded shard rows, by quantize() (where the
-    many-tensor kernel does not run: off CUDA, or shards of several dtypes)."""
+    many-tensor kernel does not run: off CUDA, or shards of several dtypes or roundings)."""
     shard = fp._sharded_local_tensor
     values = shard.new_zeros((_padded_rows(fp), fp._orig_size[1]), dtype=torch.float8_e4m3fn)
     if shard.numel():
-        values[:shard.shape[0]] = quantize(shard, fp._module_info.module.recipe.specs.w, amax=amax).values
+        values[:shard.shape[0]] = quantize(_as_gathered(fp), fp._module_info.module.recipe.specs.w, amax=amax).values
     return values
 
 
@@ -166,7 +190,9 @@ class _PreAllGather:
 
     def __call__(self, mesh, outer_size, outer_stride, module, mp_policy):
         values, amax, scale = self.weights.input_of(self.fp)
-        return (values,), (amax, scale)
+        # as bytes: a unit of E4M3 weights alone would otherwise be gathered in float8, which not every
+        # communication backend takes (with other dtypes FSDP2 gathers bytes anyway)
+        return (values.view(torch.uint8),), (amax, scale)
 
 
 class _PostAllGather:
@@ -174,6 +200,7 @@ class _PostAllGather:
 
     def __call__(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         (values,), (amax, scale) = all_gather_outputs, metadata
+        values = values.view(torch.float8_e4m3fn)
         if out is not None:  # FSDP2 refilled the storage of the values it holds; the scale is this gather's
             out._amax, out._scale = amax, scale
             return None
@@ -195,18 +222,24 @@ def fp8_all_gather(model: nn.Module) -> list[str]:
     """Have FSDP2 gather the weights of ``model``'s low-bit linears in FP8 (the module docstring says which and
     what changes). ``model``: the module whose forward each step runs (FSDP2's root), after ``fully_shard``, with
     every unit resharded (as after construction or a training step). Returns the qualified names of those layers."""
+    if not is_fsdp_unit(model):
+        raise ValueError("fp8_all_gather: call it on the model FSDP2's fully_shard was applied to last (the root, "
+                         f"whose forward runs each step and takes the weights' absmaxes); {type(model).__name__} is "
+                         "not an FSDP2 unit")
     names = {id(m): n for n, m in model.named_modules()}
     units, seen = [], set()
     for unit in model.modules():
         if not is_fsdp_unit(unit):
             continue
-        group = unit._get_fsdp_state()._fsdp_param_group
-        if group is None or id(group) in seen:
-            continue
-        seen.add(id(group))
-        fps = [fp for fp in group.fsdp_params if _why_not(fp) is None]
-        if fps:
-            units.append(fps)
+        state = unit._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13; 2.11: one group a state
+        for group in groups if groups is not None else [state._fsdp_param_group]:
+            if group is None or id(group) in seen:
+                continue
+            seen.add(id(group))
+            fps = [fp for fp in group.fsdp_params if _why_not(fp) is None]
+            if fps:
+                units.append(fps)
     fps = [fp for unit in units for fp in unit]
     if not fps:
         return []

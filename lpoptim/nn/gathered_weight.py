@@ -3,8 +3,9 @@
 ``GatheredFp8Weight`` is a tensor subclass with the parameter's shape and dtype (bf16, say) holding E4M3 values and
 their per-tensor scale. The low-bit layer reads it as its W operand (no cast) and, transposed, as the backward's Wᵀ
 (the same scale: per tensor, Wᵀ's absmax is W's), so its arithmetic is what it would have done with the bf16
-weight. Everything else that touches it (a layer below ``min_tokens`` running nn.Linear's forward, a print) sees
-the dequantized weight: each op other than the views FSDP2 makes runs on ``values * scale`` in the reported dtype.
+weight. Everything else that reads it (a layer below ``min_tokens`` running nn.Linear's forward, a print) sees the
+dequantized weight: each op other than the views FSDP2 makes runs on ``values * scale`` in the reported dtype; an op
+that would write into it raises.
 Traceable (``__tensor_flatten__``): torch.compile takes it as a graph input made of its inner tensors.
 """
 from __future__ import annotations
@@ -53,6 +54,8 @@ class GatheredFp8Weight(torch.Tensor):
         if func in _VIEWS:
             w = args[0]
             return GatheredFp8Weight(func(w._values, *args[1:], **kwargs), w._scale, w._amax, w.dtype)
+        if func._schema.is_mutable:  # it would write into a dequantized copy, and the write be lost
+            raise RuntimeError(f"{func} on a weight gathered in FP8: it is read-only (lpoptim.nn.fp8_all_gather)")
         args, kwargs = tree_map_only(GatheredFp8Weight, GatheredFp8Weight.dequantize, (args, kwargs))
         return func(*args, **kwargs)
 
