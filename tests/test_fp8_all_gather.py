@@ -45,6 +45,9 @@ def test_gathered_weight_is_the_weight_in_fp8():
     assert type(g + 0) is torch.Tensor
     with pytest.raises(RuntimeError, match="read-only"):  # a write would land in a dequantized copy
         g.add_(1)
+    out = torch.empty(48, 32, dtype=torch.bfloat16)
+    out.copy_(g)  # reading it into a plain tensor is not a write into it
+    assert torch.equal(out, deq)
     # its operands: W's values and scale, and Wᵀ as quantizing Wᵀ by W's absmax gives
     op, t = gathered_operand(g), gathered_transposed(g)
     ref_t = quantize(w.t(), RECIPES["fp8_tensor"].specs.wt, amax=op.amax)
@@ -116,24 +119,41 @@ def test_which_recipes_gather_in_fp8():
                                                                          "fp8_delayed"}
 
 
+# fp32 bit patterns the rounding to bf16 must take as torch does: ties to even (up and down), values that round to
+# +-inf, subnormals, -0, a negative NaN
+EDGES = [0x3F808000, 0x3F818000, 0x3F80C000, 0x7F7FFFFF, 0xFF7FFFFF, 0x00018000, 0x80008000, 0x80000000,
+         0xFFC00001, 0x7F800001]
+
+
 @pytest.mark.parametrize("dtype, round_to", [(torch.bfloat16, None), (torch.float32, None),
                                              (torch.float32, torch.bfloat16)])
 def test_many_tensor_kernels_match_the_reference(dtype, round_to):
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (the interpreter on the CPU)
     torch.manual_seed(2)
     ts = [torch.randn(r, 32, dtype=dtype) * s for r, s in ((5, 1.0), (64, 0.02), (3, 300.0), (0, 1.0))]
     ts[1][3, 4], ts[1][2, 2], ts[2][0, 0] = float("inf"), float("nan"), -float("inf")
+    rows = [8, 64, 3, 2]  # slots of 8 and 2 rows: zero padding after the codes
+    if dtype == torch.float32:
+        edges = torch.tensor(EDGES, dtype=torch.int64).to(torch.int32).view(torch.float32)
+        ts[0].view(-1)[:len(EDGES)] = edges
+        for e in edges[:3]:  # each tie alone as its tensor's absmax: its rounding moves the scale, every code
+            t = torch.full((1, 32), 0.01)
+            t[0, 0], t[0, 1] = e, -e / 3
+            ts.append(t)
+            rows.append(1)
+    ts = [t.to(device) for t in ts]
     seen = [t if round_to is None else t.to(round_to) for t in ts]  # what the kernels must read
     table = TensorTable(ts)
     amax = absmax_many(table, round_to)
     assert torch.equal(amax, torch.stack([finite_absmax(t.float()) for t in seen]))
-    rows = [8, 64, 3, 2]  # slots of 8 and 2 rows: zero padding after the codes
     plan = CastPlan(table, [r * 32 for r in rows])
     out = plan.cast(amax, round_to)
     for i, t in enumerate(seen):
-        ref = quantize_operand_ref(t, "e4m3", "tensor", None, 32, amax[i]).values.flatten()
-        got = out[plan.starts[i]:plan.starts[i + 1]]
-        # the same codes, a NaN's sign aside (the rounded path's NaN keeps its own)
-        torch.testing.assert_close(got[:t.numel()].float(), ref.float(), rtol=0, atol=0, equal_nan=True)
+        ref = quantize_operand_ref(t.cpu(), "e4m3", "tensor", None, 32, amax[i].cpu()).values.flatten()
+        got = out[plan.starts[i]:plan.starts[i + 1]].cpu()
+        nan = ref.float().isnan()  # the same NaNs; every other code the same bits (a zero's sign too)
+        assert torch.equal(got[:t.numel()].float().isnan(), nan), i
+        assert torch.equal(got[:t.numel()].view(torch.uint8)[~nan], ref.view(torch.uint8)[~nan]), i
         assert not got[t.numel():].view(torch.uint8).any(), i
     with pytest.raises(ValueError, match="contiguous"):
         TensorTable([ts[0].t()])
@@ -178,8 +198,9 @@ def _train(rank: int, recipe: str, fp8: bool, break_shard: bool = False, fp32_ma
     fully_shard([model.blocks[2], model.blocks[3]], **kw)
     fully_shard(model, **kw)
     names = fp8_all_gather(model) if fp8 else []
-    seen = []
-    model.blocks[1].up.register_forward_pre_hook(lambda m, a: seen.append(type(m.weight).__name__))
+    seen = []  # the weights' types in forward: the one whose hooks break_shard takes off, and another
+    for layer in (model.blocks[0].up, model.blocks[1].up):
+        layer.register_forward_pre_hook(lambda m, a: seen.append(type(m.weight).__name__))
     opt = lpoptim.AdamW(model.parameters(), lr=1e-2, bf16_stochastic_round=not fp32_masters)
     gen = torch.Generator().manual_seed(rank)
     losses = []
@@ -207,13 +228,13 @@ def _worker(rank: int, init_file: str, out_dir: str):
             res[recipe, fp8] = _train(rank, recipe, fp8)
     for fp8 in (False, True):
         res["fp32_masters", fp8] = _train(rank, "fp8_tensor", fp8, fp32_masters=True)
-    # the casts by quantize(), one shard at a time (where the many-tensor kernel does not run), and a shard that
-    # lost its hooks after the first step
+    # the casts by quantize(), one shard at a time (where the many-tensor kernel does not run), fp32 masters under
+    # a bf16 policy, and a shard that lost its hooks after the first step
     module = sys.modules["lpoptim.nn.fp8_all_gather"]  # (lpoptim.nn.fp8_all_gather is the function)
     kernels = module.interpreted
     module.interpreted = lambda: False
     try:
-        res["one_at_a_time"] = _train(rank, "fp8_tensor", True, break_shard=True)
+        res["one_at_a_time"] = _train(rank, "fp8_tensor", True, break_shard=True, fp32_masters=True)
     finally:
         module.interpreted = kernels
     # refused while a unit holds its gathered weights, and a second time
@@ -235,6 +256,18 @@ def _worker(rank: int, init_file: str, out_dir: str):
         except ValueError as e:
             res["refused"].append(str(e))
         model.blocks[0].reshard()
+    # applied to a unit that is not the root: refused at its forward, which runs after the root's has told FSDP2
+    # which is the root
+    model = Toy().to(torch.bfloat16)
+    lpoptim.nn.convert_linears(model.blocks[0], "fp8_tensor", skip=())
+    fully_shard(model.blocks[0])
+    fully_shard(model)
+    fp8_all_gather(model.blocks[0])
+    try:
+        model(torch.randn(4, 64).bfloat16())
+        res["not_root"] = None
+    except RuntimeError as e:
+        res["not_root"] = str(e)
     if rank == 0:
         torch.save(res, Path(out_dir) / "fp8_all_gather.pt")
     dist.barrier()
@@ -270,9 +303,10 @@ def test_fp32_masters_under_a_bf16_policy(ranks):
 
 def test_casts_one_shard_at_a_time_as_together_and_hooks_set_again(ranks):
     assert set(ranks["one_at_a_time"]["seen"]) == {"GatheredFp8Weight"}
-    assert _same(ranks["one_at_a_time"], ranks["fp8_tensor", True])
+    assert _same(ranks["one_at_a_time"], ranks["fp32_masters", False])
 
 
-def test_refused_while_a_unit_is_gathered_and_twice(ranks):
-    not_root, first, applied, again = ranks["refused"]
-    assert "root" in not_root and "resharded" in first and applied is None and "already" in again
+def test_refused_while_a_unit_is_gathered_twice_and_off_the_root(ranks):
+    not_unit, first, applied, again = ranks["refused"]
+    assert "not an FSDP2 unit" in not_unit and "resharded" in first and applied is None and "already" in again
+    assert "not the root" in ranks["not_root"]

@@ -45,10 +45,10 @@ def _rounding(round_to: torch.dtype | None) -> bool:
 @triton.jit
 def _load(src, offs, n, ROUND_BF16: tl.constexpr):
     x = tl.load(src + offs, mask=offs < n, other=0.0).to(tl.float32)
-    if ROUND_BF16:  # to the nearest bf16, ties to even, as torch's .to(torch.bfloat16); NaN stays NaN
+    if ROUND_BF16:  # to the nearest bf16, ties to even, as torch's .to(torch.bfloat16)
         b = x.to(tl.uint32, bitcast=True)
         b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-        x = tl.where(x == x, b.to(tl.float32, bitcast=True), x)
+        x = tl.where(x == x, b.to(tl.float32, bitcast=True), float("nan"))  # torch's NaN: positive
     return x
 
 

@@ -90,20 +90,22 @@ class _Weights:
                 self.where[id(fp)] = (u, i, len(self.where))
         self.plans = self.amax_all = self.amax = self.scale = self.ready = None
         self.cast = [None] * len(units)
-        # what FSDP2 would gather: the shard cast to the mixed-precision policy's param_dtype (None: as it is)
-        rounding = {_param_dtype(fp) for fp in self.fsdp_params}
-        self.round_to = rounding.pop() if len(rounding) == 1 else None
-        # one rounding for all, one the kernels make: the many-tensor kernels can take them
-        self.uniform = not rounding and self.round_to in (None, torch.bfloat16)
 
     def _shards(self) -> list[torch.Tensor]:
         return [fp._sharded_local_tensor for fp in self.fsdp_params]
 
     def take_all(self) -> None:
         shards = self._shards()
+        if self.plans is None:  # first, or after _attach: the shards' dtypes and addresses may have changed
+            # what FSDP2 gathers: the shard cast to the mixed-precision policy's param_dtype (None: as it is)
+            rounding = {_param_dtype(fp) for fp in self.fsdp_params}
+            self.round_to = rounding.pop() if len(rounding) == 1 else None
+            # one rounding for all, one the kernels make, and one dtype: the many-tensor kernels can take them
+            self.uniform = (not rounding and self.round_to in (None, torch.bfloat16)
+                            and len({t.dtype for t in shards}) == 1)
         # the kernels on CUDA (and under Triton's interpreter, which tests them on the CPU)
-        kernels = (shards[0].is_cuda or interpreted()) and self.uniform and len({t.dtype for t in shards}) == 1
-        if kernels and self.plans is None:  # the shards' addresses: made again after _attach
+        kernels = (shards[0].is_cuda or interpreted()) and self.uniform
+        if kernels and self.plans is None:
             from ..kernels.multi_cast import CastPlan, TensorTable
             self.table = TensorTable(shards)
             self.plans = [CastPlan(TensorTable([fp._sharded_local_tensor for fp in unit]),
@@ -156,10 +158,13 @@ def _padded_rows(fp) -> int:
 
 
 def _param_dtype(fp) -> torch.dtype | None:
-    """The dtype FSDP2 gathers ``fp`` in where it casts it (its policy's param_dtype), else None (FSDP2 sets its
-    own attribute for this at its first forward, after the model's forward pre-hook has run)."""
-    dtype = fp.mp_policy.param_dtype
-    return None if dtype in (None, fp.sharded_param.dtype) else dtype
+    """The dtype FSDP2 casts ``fp``'s shard to before gathering it (its policy's param_dtype), where that rounds;
+    None where it gathers the shard's values as they are (FSDP2 sets its own attribute for this at its first
+    forward, after the model's forward pre-hook has run)."""
+    dtype, own = fp.mp_policy.param_dtype, fp.sharded_param.dtype
+    if dtype is None or dtype == own or (dtype == torch.float32 and own in (torch.bfloat16, torch.float16)):
+        return None  # no cast, or an exact one
+    return dtype
 
 
 def _as_gathered(fp) -> torch.Tensor:
@@ -267,6 +272,11 @@ class _BeforeForward:
 
     @torch.compiler.disable
     def __call__(self, module, args):
+        # FSDP2 knows its root from the root's first forward, which runs before any other unit's
+        if getattr(module._get_fsdp_state(), "_is_root", None) is False:
+            raise RuntimeError("fp8_all_gather: applied to an FSDP2 unit that is not the root; apply it to the "
+                               "root, whose forward runs first each step (units gathered before this one's forward "
+                               "would take the last step's absmaxes)")
         for fp in self.weights.fsdp_params:
             if not isinstance(getattr(fp._sharded_local_tensor, "fsdp_pre_all_gather", None), _PreAllGather):
                 _attach(fp, self.weights)

@@ -54,10 +54,23 @@ class GatheredFp8Weight(torch.Tensor):
         if func in _VIEWS:
             w = args[0]
             return GatheredFp8Weight(func(w._values, *args[1:], **kwargs), w._scale, w._amax, w.dtype)
-        if func._schema.is_mutable:  # it would write into a dequantized copy, and the write be lost
-            raise RuntimeError(f"{func} on a weight gathered in FP8: it is read-only (lpoptim.nn.fp8_all_gather)")
+        if _writes_into_it(func, args, kwargs):  # into a dequantized copy: the write would be lost
+            raise RuntimeError(f"{func} writes into a weight gathered in FP8, which is read-only "
+                               "(lpoptim.nn.fp8_all_gather)")
         args, kwargs = tree_map_only(GatheredFp8Weight, GatheredFp8Weight.dequantize, (args, kwargs))
         return func(*args, **kwargs)
+
+
+def _writes_into_it(func, args, kwargs) -> bool:
+    """Whether ``func`` writes into an argument that is a GatheredFp8Weight (reading one into a plain tensor,
+    ``out.copy_(w)``, is fine)."""
+    if not func._schema.is_mutable:
+        return False
+    for i, arg in enumerate(func._schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if isinstance(value, GatheredFp8Weight) and arg.alias_info is not None and arg.alias_info.is_write:
+            return True
+    return False
 
 
 def gathered_operand(w) -> Operand | None:
