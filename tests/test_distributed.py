@@ -31,16 +31,16 @@ import importlib.util
 import os
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import lpoptim
 from lpoptim.optim import distributed as lpdist
+
+from gloo_ranks import spawn_ranks
 
 STEPS, SAVE_AT, WORLD, BATCH = 13, 3, 2, 16  # 10 steps after the save
 WORLD4 = 4  # the ranks that write the checkpoints resharded to 2 ranks and to 1 process
@@ -616,26 +616,9 @@ def _prepared_references() -> dict:
 
 
 def _spawn_ranks(worker, world: int, tmp: Path, args: tuple) -> None:
-    """``world`` gloo ranks running ``worker(rank, init_file, *args)``, forked from a server that imported torch,
-    lpoptim and this module once (and transformers' Llama where it is installed), so that a rank starts at once;
-    spawned, each would import them again (about 2.5 s of CPU a rank). A worker killed by a signal (seen once in a
-    CI run, spawned: SIGABRT, "terminate called without an active exception", after the single-process checkpoint
-    was written; not reproduced in 14 reruns) is retried once with a fresh rendezvous file; an exception raised in
-    a worker fails the tests as it is."""
-    import multiprocessing
-
-    # read when the server starts (the first call); a module that cannot be imported is skipped there
-    multiprocessing.set_forkserver_preload([__name__] + (["transformers.models.llama.modeling_llama"]
-                                                         if HAVE_TRANSFORMERS else []))
-    for attempt in range(2):
-        try:
-            mp.start_processes(worker, args=(str(tmp / f"init_{worker.__name__}_{attempt}"), *args), nprocs=world,
-                               join=True, start_method="forkserver")
-            return
-        except mp.ProcessExitedException as e:
-            if attempt or e.signal_name is None:
-                raise
-            warnings.warn(f"a gloo worker died ({e}); running the {world} ranks again")
+    """spawn_ranks with this module (and transformers' Llama where it is installed) imported by the server."""
+    spawn_ranks(worker, world, tmp, args, [__name__] + (["transformers.models.llama.modeling_llama"]
+                                                        if HAVE_TRANSFORMERS else []))
 
 
 @pytest.fixture(scope="module")

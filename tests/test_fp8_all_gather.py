@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import lpoptim
@@ -21,6 +20,8 @@ from lpoptim.nn.gathered_weight import GatheredFp8Weight, gathered_operand, gath
 from lpoptim.nn.operands import quantize, quantize_operand_ref
 from lpoptim.nn.recipes import RECIPES
 from lpoptim.quant import finite_absmax
+
+from gloo_ranks import spawn_ranks
 
 WORLD, STEPS = 3, 3
 
@@ -277,8 +278,7 @@ def _worker(rank: int, init_file: str, out_dir: str):
 @pytest.fixture(scope="module")
 def ranks():
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(str(Path(tmp) / "init"), tmp), nprocs=WORLD, join=True,
-                           start_method="spawn")
+        spawn_ranks(_worker, WORLD, Path(tmp), (tmp,), [__name__])
         return torch.load(Path(tmp) / "fp8_all_gather.pt", weights_only=False)
 
 

@@ -75,8 +75,7 @@ class _Weights:
     """Every FP8-gathered weight of the model, by unit. Their absmaxes (and E4M3 scales) are taken at the start of
     each forward of the model, before any unit is gathered, with one all-reduce for them all: the weights change
     only between forwards (an optimizer step), and a collective per unit would queue on the communicator's stream
-    behind the all-gathers and reduce-scatters in flight, holding each all-gather until they end (a 7B step on two
-    GPUs ran far slower so). A unit's shards are cast together when FSDP2 asks for its first weight's all-gather
+    behind the all-gathers and reduce-scatters in flight, holding each all-gather until they end. A unit's shards are cast together when FSDP2 asks for its first weight's all-gather
     input (on CUDA one launch: kernels/multi_cast.py); the hooks then return views. FSDP2 calls its hooks once per
     weight and gather, on the host (224 weights and 16 gathers a step for a 7B model): each must cost little."""
 
@@ -88,39 +87,41 @@ class _Weights:
         for u, unit in enumerate(units):
             for i, fp in enumerate(unit):
                 self.where[id(fp)] = (u, i, len(self.where))
+        # None: not yet worked out (first, or after _attach: the shards' dtypes and addresses are read again); []:
+        # the shards are cast one at a time; else one CastPlan per unit
         self.plans = self.amax_all = self.amax = self.scale = self.ready = None
         self.cast = [None] * len(units)
 
-    def _shards(self) -> list[torch.Tensor]:
-        return [fp._sharded_local_tensor for fp in self.fsdp_params]
-
-    def take_all(self) -> None:
-        shards = self._shards()
-        if self.plans is None:  # first, or after _attach: the shards' dtypes and addresses may have changed
-            # what FSDP2 gathers: the shard cast to the mixed-precision policy's param_dtype (None: as it is)
-            rounding = {_param_dtype(fp) for fp in self.fsdp_params}
-            self.round_to = rounding.pop() if len(rounding) == 1 else None
-            # one rounding for all, one the kernels make, and one dtype: the many-tensor kernels can take them
-            self.uniform = (not rounding and self.round_to in (None, torch.bfloat16)
-                            and len({t.dtype for t in shards}) == 1)
-        # the kernels on CUDA (and under Triton's interpreter, which tests them on the CPU)
-        kernels = (shards[0].is_cuda or interpreted()) and self.uniform
-        if kernels and self.plans is None:
+    def _plan(self) -> None:
+        """Whether the many-tensor kernels take the shards (on CUDA, and under Triton's interpreter, which tests them
+        on the CPU; one dtype, one rounding, one the kernels make), and their tables where they do."""
+        shards = [fp._sharded_local_tensor for fp in self.fsdp_params]
+        # what FSDP2 gathers: the shard cast to the mixed-precision policy's param_dtype (None: as it is)
+        rounding = {_param_dtype(fp) for fp in self.fsdp_params}
+        self.round_to = rounding.pop() if len(rounding) == 1 else None
+        self.plans = []
+        if ((shards[0].is_cuda or interpreted()) and not rounding and self.round_to in (None, torch.bfloat16)
+                and len({t.dtype for t in shards}) == 1):
             from ..kernels.multi_cast import CastPlan, TensorTable
             self.table = TensorTable(shards)
             self.plans = [CastPlan(TensorTable([fp._sharded_local_tensor for fp in unit]),
                                    [_padded_rows(fp) * fp._orig_size[1] for fp in unit]) for unit in self.units]
-        if kernels:
+
+    def take_all(self) -> None:
+        if self.plans is None:
+            self._plan()
+        if self.plans:
             from ..kernels.multi_cast import absmax_many
             amax = absmax_many(self.table, self.round_to)
         else:
             amax = torch.stack([tensor_amax(_as_gathered(fp)) if fp._sharded_local_tensor.numel() else
-                                shards[0].new_zeros((), dtype=torch.float32) for fp in self.fsdp_params])
+                                torch.zeros((), dtype=torch.float32, device=fp._sharded_local_tensor.device)
+                                for fp in self.fsdp_params])
         if dist.get_world_size(self.group) > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
         # new tensors every forward (never written in place): a backward may still hold the last ones. Each scale
         # 128 bytes from the next: cuBLASLt refuses a scale pointer that is not aligned (NOT_SUPPORTED)
-        scale = amax.new_zeros((len(shards), _SCALE_STRIDE))
+        scale = amax.new_zeros((len(self.fsdp_params), _SCALE_STRIDE))
         scale[:, 0] = absmax_scale(amax, E4M3)
         self.amax_all, self.amax, self.scale = amax, amax.unbind(), scale[:, 0].unbind()
         self.cast = [None] * len(self.units)
@@ -138,11 +139,11 @@ class _Weights:
         if i == 0 or self.cast[u] is None:  # the unit's first weight: all of its shards cast now
             if self.ready is not None:  # (on the stream FSDP2 prepares the all-gather on)
                 torch.cuda.current_stream().wait_event(self.ready)
-            if self.plans is not None:
+            if self.plans:
                 self.cast[u] = self.plans[u].cast(self.amax_all[k - i:k - i + len(unit)], self.round_to)
             else:
                 self.cast[u] = [_cast_ref(f, self.amax[k - i + j]) for j, f in enumerate(unit)]
-        if self.plans is not None:
+        if self.plans:
             plan = self.plans[u]
             values = self.cast[u][plan.starts[i]:plan.starts[i + 1]].view(_padded_rows(fp), fp._orig_size[1])
         else:
@@ -212,10 +213,13 @@ class _PostAllGather:
         return GatheredFp8Weight(values, scale, amax, param_dtype), (values,)
 
 
+_POST_ALL_GATHER = _PostAllGather()  # (it holds nothing: one for all)
+
+
 def _attach(fp, weights: _Weights) -> None:
     shard = fp._sharded_local_tensor
     shard.fsdp_pre_all_gather = _PreAllGather(fp, weights)
-    shard.fsdp_post_all_gather = _PostAllGather()
+    shard.fsdp_post_all_gather = _POST_ALL_GATHER
     fp._init_extensions()
     fp.all_gather_outputs = []  # made again, in E4M3, by the next all-gather
     if hasattr(fp, "_unsharded_param"):  # a bf16 one from an earlier gather: the next is made from E4M3 values
