@@ -155,6 +155,8 @@ def run_one(opt_name: str, c: LlamaConfig, args, device, mesh, blocks_per_shard:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    # what an earlier run left allocated (0 unless something of it outlived it): part of this run's peak
+    left = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     stack = optimizer_run(opt_name)
     base = stack.optimizer
     # prepare: FP8 linears (converted before sharding, where the GPU has FP8 tensor cores), then lpoptim.prepare
@@ -203,7 +205,7 @@ def run_one(opt_name: str, c: LlamaConfig, args, device, mesh, blocks_per_shard:
                       for t in st.values() if torch.is_tensor(t))
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     step_s = sum(times) / len(times)
-    stats = torch.tensor([peak, step_s, state_local], dtype=torch.float64, device=device)
+    stats = torch.tensor([peak, step_s, state_local, left], dtype=torch.float64, device=device)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the worst rank: memory and time
     del model, opt, params
     gc.collect()
@@ -215,6 +217,7 @@ def run_one(opt_name: str, c: LlamaConfig, args, device, mesh, blocks_per_shard:
         "params": n_params,
         "peak_gib_per_gpu": stats[0].item() / 2**30 if device.type == "cuda" else None,
         "state_gib_per_gpu": stats[2].item() / 2**30,
+        "left_by_earlier_runs_gib": stats[3].item() / 2**30 if device.type == "cuda" else None,
         "step_s": stats[1].item(),
         "tokens_per_s_per_gpu": args.batch * args.seq / stats[1].item(),
         "losses": losses,

@@ -4,6 +4,7 @@ ranks training a toy model of low-bit layers with and without FP8 gathers: the s
 bit."""
 from __future__ import annotations
 
+import gc
 import sys
 import tempfile
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 import lpoptim
 from lpoptim.kernels.multi_cast import CastPlan, TensorTable, absmax_many
-from lpoptim.nn.fp8_all_gather import fp8_all_gather, gathers_in_fp8
+from lpoptim.nn.fp8_all_gather import _Weights, fp8_all_gather, gathers_in_fp8
 from lpoptim.nn.gathered_weight import GatheredFp8Weight, gathered_operand, gathered_transposed
 from lpoptim.nn.operands import quantize, quantize_operand_ref
 from lpoptim.nn.recipes import RECIPES
@@ -189,6 +190,7 @@ class Toy(torch.nn.Module):
 def _train(rank: int, recipe: str, fp8: bool, break_shard: bool = False, fp32_masters: bool = False) -> dict:
     """``fp32_masters``: fp32 parameters gathered in bf16 (MixedPrecisionPolicy), else bf16 parameters."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
     torch.manual_seed(0)
     model = Toy() if fp32_masters else Toy().to(torch.bfloat16)
@@ -217,7 +219,12 @@ def _train(rank: int, recipe: str, fp8: bool, break_shard: bool = False, fp32_ma
         opt.zero_grad()
         losses.append(loss.item())
     params = {n: p.full_tensor().float() for n, p in model.named_parameters()}
-    return dict(names=names, losses=losses, params=params, seen=seen)
+    # the hooks set on a shard hold nothing of the model strongly: the garbage collector does not look inside a
+    # tensor C++ holds too, so a cycle through one (model, FSDP2's parameter, shard, hook, model) is never freed
+    hook = getattr(model.blocks[0].up.weight._local_tensor, "fsdp_pre_all_gather", None)
+    strong = [type(r).__name__ for r in gc.get_referents(vars(hook))
+              if isinstance(r, (_Weights, FSDPParam, torch.nn.Module))] if hook is not None else []
+    return dict(names=names, losses=losses, params=params, seen=seen, strong=strong)
 
 
 def _worker(rank: int, init_file: str, out_dir: str):
@@ -292,6 +299,7 @@ def test_fsdp2_fp8_gathers_train_bit_for_bit_as_bf16_gathers(ranks, recipe):
     assert on["names"] == [f"blocks.{b}.{n}" for b in range(3) for n in ("up", "down")]  # not int4's block
     assert set(on["seen"]) == {"GatheredFp8Weight"} and set(off["seen"]) == {"Parameter"}
     assert _same(off, on)
+    assert on["strong"] == []
 
 
 def test_fp32_masters_under_a_bf16_policy(ranks):

@@ -28,6 +28,7 @@ hooks again there.
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -82,11 +83,8 @@ class _Weights:
     def __init__(self, units: list[list], group):
         self.units, self.group = units, group
         self.fsdp_params = [fp for unit in units for fp in unit]
-        # fp -> (its unit's index, its place in the unit, its place in the model's list)
-        self.where = {}
-        for u, unit in enumerate(units):
-            for i, fp in enumerate(unit):
-                self.where[id(fp)] = (u, i, len(self.where))
+        # by place in the model's list: (its unit's index, its place in the unit)
+        self.where = [(u, i) for u, unit in enumerate(units) for i in range(len(unit))]
         # None: not yet worked out (first, or after _attach: the shards' dtypes and addresses are read again); []:
         # the shards are cast one at a time; else one CastPlan per unit
         self.plans = self.amax_all = self.amax = self.scale = self.ready = None
@@ -129,12 +127,12 @@ class _Weights:
         if self.ready is not None:
             self.ready.record()
 
-    def input_of(self, fp):
-        """(``fp``'s all-gather input: its shard in E4M3, padded to FSDP2's padded shard rows; its absmax; its
-        scale)."""
+    def input_of(self, k: int):
+        """(The ``k``-th weight's all-gather input: its shard in E4M3, padded to FSDP2's padded shard rows; its
+        absmax; its scale)."""
         if self.amax is None:  # a unit run without the model's forward first
             self.take_all()
-        u, i, k = self.where[id(fp)]
+        (u, i), fp = self.where[k], self.fsdp_params[k]
         unit = self.units[u]
         if i == 0 or self.cast[u] is None:  # the unit's first weight: all of its shards cast now
             if self.ready is not None:  # (on the stream FSDP2 prepares the all-gather on)
@@ -191,11 +189,14 @@ class _PreAllGather:
     __signature__ = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in
                                        ("mesh", "outer_size", "outer_stride", "module", "mp_policy")])
 
-    def __init__(self, fp, weights: _Weights):
-        self.fp, self.weights = fp, weights
+    def __init__(self, k: int, weights: _Weights):
+        # held weakly: this hook is an attribute of the shard, which the model holds, and the garbage collector
+        # does not look inside a tensor that C++ holds too, so a strong reference back to the model (through the
+        # weights and their FSDPParams) would keep the whole model alive after the user let it go
+        self.k, self.weights = k, weakref.ref(weights)
 
     def __call__(self, mesh, outer_size, outer_stride, module, mp_policy):
-        values, amax, scale = self.weights.input_of(self.fp)
+        values, amax, scale = self.weights().input_of(self.k)
         # as bytes: a unit of E4M3 weights alone would otherwise be gathered in float8, which not every
         # communication backend takes (with other dtypes FSDP2 gathers bytes anyway)
         return (values.view(torch.uint8),), (amax, scale)
@@ -216,9 +217,10 @@ class _PostAllGather:
 _POST_ALL_GATHER = _PostAllGather()  # (it holds nothing: one for all)
 
 
-def _attach(fp, weights: _Weights) -> None:
+def _attach(k: int, weights: _Weights) -> None:
+    fp = weights.fsdp_params[k]
     shard = fp._sharded_local_tensor
-    shard.fsdp_pre_all_gather = _PreAllGather(fp, weights)
+    shard.fsdp_pre_all_gather = _PreAllGather(k, weights)
     shard.fsdp_post_all_gather = _POST_ALL_GATHER
     fp._init_extensions()
     fp.all_gather_outputs = []  # made again, in E4M3, by the next all-gather
@@ -261,8 +263,8 @@ def fp8_all_gather(model: nn.Module) -> list[str]:
     if len(groups) > 1:
         raise ValueError("fp8_all_gather: the model's units shard over different meshes")
     weights = _Weights(units, fps[0].mesh_info.shard_process_group)
-    for fp in fps:
-        _attach(fp, weights)
+    for k in range(len(fps)):
+        _attach(k, weights)
     model.register_forward_pre_hook(_BeforeForward(weights), prepend=True)
     return [names.get(id(fp._module_info.module), "?") for fp in fps]
 
@@ -281,7 +283,7 @@ class _BeforeForward:
             raise RuntimeError("fp8_all_gather: applied to an FSDP2 unit that is not the root; apply it to the "
                                "root, whose forward runs first each step (units gathered before this one's forward "
                                "would take the last step's absmaxes)")
-        for fp in self.weights.fsdp_params:
+        for k, fp in enumerate(self.weights.fsdp_params):
             if not isinstance(getattr(fp._sharded_local_tensor, "fsdp_pre_all_gather", None), _PreAllGather):
-                _attach(fp, self.weights)
+                _attach(k, self.weights)
         self.weights.take_all()
