@@ -17,8 +17,8 @@ import torch.nn.functional as F
 import lpoptim
 from lpoptim.kernels.multi_cast import CastPlan, TensorTable, absmax_many
 from lpoptim.nn.fp8_all_gather import _Weights, fp8_all_gather, gathers_in_fp8
-from lpoptim.nn.gathered_weight import GatheredFp8Weight, gathered_operand, gathered_transposed
-from lpoptim.nn.operands import quantize, quantize_operand_ref
+from lpoptim.nn.gathered_weight import GatheredFp8Weight, gathered_dx, gathered_operand
+from lpoptim.nn.operands import gemm, quantize, quantize_operand_ref
 from lpoptim.nn.recipes import RECIPES
 from lpoptim.quant import finite_absmax
 
@@ -50,11 +50,16 @@ def test_gathered_weight_is_the_weight_in_fp8():
     out = torch.empty(48, 32, dtype=torch.bfloat16)
     out.copy_(g)  # reading it into a plain tensor is not a write into it
     assert torch.equal(out, deq)
-    # its operands: W's values and scale, and Wᵀ as quantizing Wᵀ by W's absmax gives
-    op, t = gathered_operand(g), gathered_transposed(g)
+    # its operands: W's values and scale; dx = dy W with Wᵀ as quantizing Wᵀ by W's absmax gives, in eager mode
+    # and as the op a compiled graph calls
+    op = gathered_operand(g)
     ref_t = quantize(w.t(), RECIPES["fp8_tensor"].specs.wt, amax=op.amax)
-    assert torch.equal(t.values.view(torch.uint8), ref_t.values.view(torch.uint8)) and torch.equal(t.scale, ref_t.scale)
-    assert gathered_operand(w) is None and gathered_transposed(w) is None
+    gq = quantize(torch.randn(5, 48, dtype=torch.bfloat16), RECIPES["fp8_tensor"].specs.dy)
+    ref_dx = gemm(gq, ref_t, torch.bfloat16)
+    assert torch.equal(gathered_dx(gq, g, torch.bfloat16), ref_dx)
+    assert torch.equal(torch.compile(lambda a, b: gathered_dx(a, b, torch.bfloat16), backend="aot_eager",
+                                     fullgraph=True)(gq, g), ref_dx)
+    assert gathered_operand(w) is None and gathered_dx(gq, w, torch.bfloat16) is None
 
 
 @pytest.mark.parametrize("recipe", ["fp8_tensor", "fp8_delayed"])
@@ -77,7 +82,10 @@ def test_layer_takes_a_gathered_weight_as_its_own(recipe):
 
 def test_compiled_block_takes_gathered_weights():
     """torch.compile takes the subclass as a graph input (its inner tensors): the block's output and gradients are
-    those of the same block with bf16 weights."""
+    those of the same block with bf16 weights. Its dx GEMMs run as an op of their own (gathered_dx), whose fp32
+    emulation on the CPU sums in another order than Inductor's compiled one (on CUDA both are torch._scaled_mm):
+    what comes after the last layer's dx is compared in norm (a dy one bf16 ulp off rounds to the next FP8 code in
+    the layer before, and on: compiled and eager differ by 1-5% so), and one layer's dx bit for bit."""
     out = []
     for gathered in (False, True):
         torch._dynamo.reset()
@@ -92,8 +100,23 @@ def test_compiled_block_takes_gathered_weights():
         y = block(x)
         y.float().square().sum().backward()
         out.append((y, x.grad, block.up.weight.grad, block.down.weight.grad, block.down.bias.grad))
-    for a, b in zip(*out):
-        assert type(b) is torch.Tensor and torch.equal(a, b)
+    for i, (a, b) in enumerate(zip(*out)):
+        assert type(b) is torch.Tensor
+        if i in (1, 2):  # x.grad, up.weight.grad: after down's dx
+            assert ((a - b).float().norm() / a.float().norm()).item() < 2 ** -4
+        else:
+            assert torch.equal(a, b)
+    dxs = []
+    for gathered in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(5)
+        layer = lpoptim.nn.LowBitLinear(64, 80, bias=False, dtype=torch.bfloat16, recipe="fp8_tensor")
+        if gathered:
+            layer._parameters["weight"] = torch.nn.Parameter(_gathered(layer.weight.detach()))
+        x = torch.randn(24, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(6), requires_grad=True)
+        torch.compile(layer, fullgraph=True)(x).float().square().sum().backward()
+        dxs.append(x.grad)
+    assert torch.equal(dxs[0], dxs[1])
 
 
 def test_delayed_layer_scales_a_gathered_weight_by_its_own_absmax():

@@ -18,7 +18,7 @@ import torch
 from ..formats import E2M1
 from ..quant import absmax_scale
 from .fp4 import dge_derivative, occ_split, residual_matmul
-from .gathered_weight import gathered_operand, gathered_transposed
+from .gathered_weight import gathered_dx, gathered_operand
 from .operands import Operand, gemm, padded, quantize, quantize_pair, tensor_amax, use_kernels
 from .recipes import Recipe
 from .weight_scale import quantize_weight_prev
@@ -48,9 +48,6 @@ def _quantize_wt(w, r: Recipe, w_stat, hw=None) -> Operand:
     frozen weight's forward, which quantizes W without a statistic), per tensor with ``hw`` (W's amax history:
     delayed scaling) one pass that records W's absmax."""
     spec = r.specs.wt
-    wt = gathered_transposed(w)  # W arrived in FP8 (an FP8 all-gather): its values transposed, the same scale
-    if wt is not None:
-        return wt
     if w_stat is None:
         return quantize(w.t(), spec, history=hw)
     per_tensor = w_stat.dim() == 0  # what the forward left: one absmax, or one maximum per column
@@ -90,7 +87,9 @@ def _fp8_backward(g2, w, xt: Operand, r: Recipe, need_dx: bool, need_dw: bool, d
         gt = None  # freed before Wᵀ and dx are made: the peak stays below what it was with dx first
     if need_dx:
         gq = gq or quantize(g2, spec, history=None if need_dw else hg)    # (M, N)
-        dx = gemm(gq, _quantize_wt(w, r, w_stat, hw), dx_dtype)
+        dx = gathered_dx(gq, w, dx_dtype)  # W arrived in FP8 (an FP8 all-gather): Wᵀ from its values
+        if dx is None:
+            dx = gemm(gq, _quantize_wt(w, r, w_stat, hw), dx_dtype)
     return dx, dw
 
 

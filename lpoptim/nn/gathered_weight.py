@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map_only
 
-from .operands import Operand
+from ..kernels.grid import interpreted
+from ..kernels.transpose import transpose_bytes
+from .operands import Operand, gemm
 
 aten = torch.ops.aten
 # the ops that keep it FP8: FSDP2 makes the unsharded parameter with as_strided, nn.Parameter detaches it
@@ -81,9 +83,34 @@ def gathered_operand(w) -> Operand | None:
     return Operand(w._values, w._scale, w._amax)
 
 
-def gathered_transposed(w) -> Operand | None:
-    """Wᵀ's operand for the backward's dx = dy W where ``w`` arrived in FP8: its values transposed, the same scale
-    (what quantizing Wᵀ per tensor with W's absmax gives); None for any other weight."""
+def gathered_dx(gq: Operand, w, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """dx = dy W for the backward where ``w`` arrived in FP8 (``gq``: dy's operand; None for any other weight):
+    one GEMM with Wᵀ, W's values transposed under the same scale (what quantizing Wᵀ per tensor with W's absmax
+    gives). Compiled, it is one op of the graph: as a node of its own, the transposed copy (consumed by a GEMM)
+    was computed in the forward and saved for the backward by Inductor's partitioner, a second copy of every
+    weight in FP8 held from forward to backward, where FSDP2 frees the gathered W and gathers it again."""
     if not isinstance(w, GatheredFp8Weight):
         return None
-    return Operand(w._values.t().contiguous(), w._scale, w._amax)
+    # (eager: the function itself, without the dispatcher's cost)
+    op = torch.ops.lpoptim.gemm_by_transposed.default if torch.compiler.is_compiling() else _gemm_by_transposed
+    return op(gq.values, gq.scale, w._values, w._scale, out_dtype)
+
+
+def _gemm_by_transposed(a_values, a_scale, b_values, b_scale, out_dtype):
+    """a (M, N) @ b (N, K): gemm's a against bᵀ, transposed here (gemm takes both with the contraction dim last;
+    on CUDA by a tiled kernel: torch's strided copy of one-byte elements ran at a tenth of the bandwidth)."""
+    bt = transpose_bytes(b_values) if b_values.is_cuda or interpreted() else b_values.t().contiguous()
+    return gemm(Operand(a_values, a_scale), Operand(bt, b_scale), out_dtype)
+
+
+# defined through torch.library.Library rather than custom_op: a compiled backward calls it once per weight, and
+# custom_op's Python wrapper cost about 25 us more a call on the host than this (which costs about 6)
+_LIB = torch.library.Library("lpoptim", "FRAGMENT")
+_LIB.define("gemm_by_transposed(Tensor a_values, Tensor a_scale, Tensor b_values, Tensor b_scale, "
+            "ScalarType out_dtype) -> Tensor")
+_LIB.impl("gemm_by_transposed", _gemm_by_transposed, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("lpoptim::gemm_by_transposed")
+def _(a_values, a_scale, b_values, b_scale, out_dtype):
+    return a_values.new_empty((a_values.shape[0], b_values.shape[1]), dtype=out_dtype)
