@@ -155,7 +155,8 @@ def run_one(opt_name: str, c: LlamaConfig, args, device, mesh, blocks_per_shard:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    # what an earlier run left allocated (0 unless something of it outlived it): part of this run's peak
+    # what earlier runs left allocated, part of this run's peak: tens of MiB after the first run in the results
+    # files; gigabytes would be a run's model or state outliving it
     left = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     stack = optimizer_run(opt_name)
     base = stack.optimizer

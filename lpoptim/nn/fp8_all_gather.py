@@ -196,10 +196,20 @@ class _PreAllGather:
         self.k, self.weights = k, weakref.ref(weights)
 
     def __call__(self, mesh, outer_size, outer_stride, module, mp_policy):
-        values, amax, scale = self.weights().input_of(self.k)
+        weights = self.weights()
+        if weights is None:
+            raise RuntimeError("fp8_all_gather: the model whose forward takes these weights' absmaxes is gone; a unit "
+                               "of it gathers in FP8 only while that model lives")
+        values, amax, scale = weights.input_of(self.k)
         # as bytes: a unit of E4M3 weights alone would otherwise be gathered in float8, which not every
         # communication backend takes (with other dtypes FSDP2 gathers bytes anyway)
         return (values.view(torch.uint8),), (amax, scale)
+
+
+    def __reduce__(self):
+        # pickled as a tensor attribute when a local shard itself is saved (torch.save of a sharded state dict)
+        raise TypeError("fp8_all_gather: this weight shard carries FSDP2 all-gather hooks, which do not pickle; "
+                        "save a copy (t.clone()) or through torch.distributed.checkpoint")
 
 
 class _PostAllGather:

@@ -84,11 +84,11 @@ def gathered_operand(w) -> Operand | None:
 
 
 def gathered_dx(gq: Operand, w, out_dtype: torch.dtype) -> torch.Tensor | None:
-    """dx = dy W for the backward where ``w`` arrived in FP8 (``gq``: dy's operand; None for any other weight):
-    one GEMM with Wᵀ, W's values transposed under the same scale (what quantizing Wᵀ per tensor with W's absmax
-    gives). Compiled, it is one op of the graph: as a node of its own, the transposed copy (consumed by a GEMM)
-    was computed in the forward and saved for the backward by Inductor's partitioner, a second copy of every
-    weight in FP8 held from forward to backward, where FSDP2 frees the gathered W and gathers it again."""
+    """dx = dy W for the backward where ``w`` arrived in FP8, from dy's operand ``gq``: one GEMM with Wᵀ, W's values
+    transposed under the same scale (what quantizing Wᵀ per tensor with W's absmax gives). None where ``w`` is any
+    other weight. Compiled, it is one op of the graph: as a node of its own, the transposed copy (consumed by a
+    GEMM) was computed in the forward and saved for the backward by Inductor's partitioner, a second FP8 copy of
+    each gathered weight held from forward to backward, where FSDP2 frees the gathered W and gathers it again."""
     if not isinstance(w, GatheredFp8Weight):
         return None
     # (eager: the function itself, without the dispatcher's cost)
@@ -98,13 +98,13 @@ def gathered_dx(gq: Operand, w, out_dtype: torch.dtype) -> torch.Tensor | None:
 
 def _gemm_by_transposed(a_values, a_scale, b_values, b_scale, out_dtype):
     """a (M, N) @ b (N, K): gemm's a against bᵀ, transposed here (gemm takes both with the contraction dim last;
-    on CUDA by a tiled kernel: torch's strided copy of one-byte elements ran at a tenth of the bandwidth)."""
-    bt = transpose_bytes(b_values) if b_values.is_cuda or interpreted() else b_values.t().contiguous()
+    on CUDA by a tiled kernel: torch's strided copy of one-byte elements is uncoalesced on one side)."""
+    bt = transpose_bytes(b_values.contiguous()) if b_values.is_cuda or interpreted() else b_values.t().contiguous()
     return gemm(Operand(a_values, a_scale), Operand(bt, b_scale), out_dtype)
 
 
 # defined through torch.library.Library rather than custom_op: a compiled backward calls it once per weight, and
-# custom_op's Python wrapper cost about 25 us more a call on the host than this (which costs about 6)
+# custom_op's Python wrapper costs the host several times what this does per call
 _LIB = torch.library.Library("lpoptim", "FRAGMENT")
 _LIB.define("gemm_by_transposed(Tensor a_values, Tensor a_scale, Tensor b_values, Tensor b_scale, "
             "ScalarType out_dtype) -> Tensor")
