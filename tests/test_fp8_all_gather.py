@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import lpoptim
+from lpoptim.device import has_fp8_conversions
 from lpoptim.kernels.multi_cast import CastPlan, TensorTable, absmax_many
 from lpoptim.nn.fp8_all_gather import fp8_all_gather, gathers_in_fp8
 from lpoptim.nn.gathered_weight import GatheredFp8Weight, gathered_dx, gathered_operand
@@ -149,13 +150,14 @@ def _partitioned(layer, x) -> tuple[list, list]:
 
 def test_compiled_forward_saves_no_transposed_weight():
     """The gathered weight's transposed codes are made inside the backward's dx op, not saved from the forward.
-    (As a node of its own, consumed by torch._scaled_mm on CUDA, Inductor's partitioner computed that copy in the
-    forward and saved it; on the CPU, whose fp32 emulation of the GEMM fuses with it, it recomputes it anyway, so
-    here the op's place in the backward is what can fail.)"""
+    (As a node of its own, Inductor's partitioner computed that copy in the forward of compiled 7B blocks under
+    FSDP2 on GPUs and saved it; a lone layer like this one, on the CPU or a GPU, has it recomputed anyway, so here
+    the op's place in the backward is what can fail.)"""
+    device = "cuda" if torch.cuda.is_available() and has_fp8_conversions(torch.device("cuda")) else "cpu"
     torch.manual_seed(7)
-    layer = lpoptim.nn.LowBitLinear(64, 80, bias=False, dtype=torch.bfloat16, recipe="fp8_tensor")
+    layer = lpoptim.nn.LowBitLinear(64, 80, bias=False, dtype=torch.bfloat16, recipe="fp8_tensor", device=device)
     layer._parameters["weight"] = torch.nn.Parameter(_gathered(layer.weight.detach()))
-    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, device=device, requires_grad=True)
     saved, ops = _partitioned(layer, x)
     assert "lpoptim.gemm_by_transposed.default" in ops
     assert not [t for t in saved if t.dtype == torch.float8_e4m3fn and tuple(t.shape) == (64, 80)]
