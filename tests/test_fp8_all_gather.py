@@ -32,7 +32,7 @@ WORLD, STEPS = 3, 3
 
 def _gathered(w: torch.Tensor) -> GatheredFp8Weight:
     op = quantize(w, RECIPES["fp8_tensor"].specs.w_kept)
-    return GatheredFp8Weight(op.values, op.scale, op.amax, w.dtype)
+    return GatheredFp8Weight(op.values, op.scale, w.dtype)
 
 
 def test_gathered_weight_is_the_weight_in_fp8():
@@ -56,7 +56,8 @@ def test_gathered_weight_is_the_weight_in_fp8():
     # its operands: W's values and scale; dx = dy W with Wᵀ as quantizing Wᵀ by W's absmax gives, in eager mode
     # and as the op a compiled graph calls
     op = gathered_operand(g)
-    ref_t = quantize(w.t(), RECIPES["fp8_tensor"].specs.wt, amax=op.amax)
+    assert op.values is g._values and op.scale is g._scale
+    ref_t = quantize(w.t(), RECIPES["fp8_tensor"].specs.wt, amax=finite_absmax(w.float()))
     gq = quantize(torch.randn(5, 48, dtype=torch.bfloat16), RECIPES["fp8_tensor"].specs.dy)
     ref_dx = gemm(gq, ref_t, torch.bfloat16)
     assert torch.equal(gathered_dx(gq, g, torch.bfloat16), ref_dx)
@@ -88,7 +89,7 @@ def test_compiled_block_takes_gathered_weights():
     those of the same block with bf16 weights. Its dx GEMMs run as an op of their own (gathered_dx), whose fp32
     emulation on the CPU sums in another order than Inductor's compiled one (on CUDA both are torch._scaled_mm):
     what comes after the last layer's dx is compared in norm (a dy one bf16 ulp off rounds to the next FP8 code in
-    the layer before, and on: compiled and eager differ by 1-5% so), and one layer's dx bit for bit."""
+    the layer before, and on: as compiled and eager runs of it differ too), and one layer's dx bit for bit."""
     out = []
     for gathered in (False, True):
         torch._dynamo.reset()

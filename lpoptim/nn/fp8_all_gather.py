@@ -87,7 +87,7 @@ class _Weights:
         self.where = [(u, i) for u, unit in enumerate(units) for i in range(len(unit))]
         # None: not yet worked out (first, or after _attach: the shards' dtypes and addresses are read again); []:
         # the shards are cast one at a time; else one CastPlan per unit
-        self.plans = self.amax_all = self.amax = self.scale = self.ready = None
+        self.plans = self.amax = self.scale = self.ready = None
         self.cast = [None] * len(units)
 
     def _plan(self) -> None:
@@ -95,15 +95,15 @@ class _Weights:
         on the CPU; one dtype, one rounding, one the kernels make), and their tables where they do."""
         shards = [fp._sharded_local_tensor for fp in self.fsdp_params]
         # what FSDP2 gathers: the shard cast to the mixed-precision policy's param_dtype (None: as it is)
-        rounding = {_param_dtype(fp) for fp in self.fsdp_params}
-        self.round_to = rounding.pop() if len(rounding) == 1 else None
+        roundings = {_param_dtype(fp) for fp in self.fsdp_params}
+        self.round_to = next(iter(roundings)) if len(roundings) == 1 else None
         self.plans = []
-        if ((shards[0].is_cuda or interpreted()) and not rounding and self.round_to in (None, torch.bfloat16)
+        if ((shards[0].is_cuda or interpreted()) and len(roundings) == 1 and self.round_to in (None, torch.bfloat16)
                 and len({t.dtype for t in shards}) == 1):
             from ..kernels.multi_cast import CastPlan, TensorTable
             self.table = TensorTable(shards)
             self.plans = [CastPlan(TensorTable([fp._sharded_local_tensor for fp in unit]),
-                                   [_padded_rows(fp) * fp._orig_size[1] for fp in unit]) for unit in self.units]
+                                   [fp.padded_sharded_param_size.numel() for fp in unit]) for unit in self.units]
 
     def take_all(self) -> None:
         if self.plans is None:
@@ -121,7 +121,7 @@ class _Weights:
         # 128 bytes from the next: cuBLASLt refuses a scale pointer that is not aligned (NOT_SUPPORTED)
         scale = amax.new_zeros((len(self.fsdp_params), _SCALE_STRIDE))
         scale[:, 0] = absmax_scale(amax, E4M3)
-        self.amax_all, self.amax, self.scale = amax, amax.unbind(), scale[:, 0].unbind()
+        self.amax, self.scale = amax, scale[:, 0].unbind()
         self.cast = [None] * len(self.units)
         self.ready = torch.cuda.Event() if amax.is_cuda else None
         if self.ready is not None:
@@ -129,7 +129,7 @@ class _Weights:
 
     def input_of(self, k: int):
         """(The ``k``-th weight's all-gather input: its shard in E4M3, padded to FSDP2's padded shard rows; its
-        absmax; its scale)."""
+        scale)."""
         if self.amax is None:  # a unit run without the model's forward first
             self.take_all()
         (u, i), fp = self.where[k], self.fsdp_params[k]
@@ -138,22 +138,17 @@ class _Weights:
             if self.ready is not None:  # (on the stream FSDP2 prepares the all-gather on)
                 torch.cuda.current_stream().wait_event(self.ready)
             if self.plans:
-                self.cast[u] = self.plans[u].cast(self.amax_all[k - i:k - i + len(unit)], self.round_to)
+                self.cast[u] = self.plans[u].cast(self.amax[k - i:k - i + len(unit)], self.round_to)
             else:
                 self.cast[u] = [_cast_ref(f, self.amax[k - i + j]) for j, f in enumerate(unit)]
         if self.plans:
             plan = self.plans[u]
-            values = self.cast[u][plan.starts[i]:plan.starts[i + 1]].view(_padded_rows(fp), fp._orig_size[1])
+            values = self.cast[u][plan.starts[i]:plan.starts[i + 1]].view(fp.padded_sharded_param_size)
         else:
             values = self.cast[u][i]
         if i == len(unit) - 1:  # the last view taken: the buffer lives as long as FSDP2 holds the views
             self.cast[u] = None
-        return values, self.amax[k], self.scale[k]
-
-
-def _padded_rows(fp) -> int:
-    """The rows of FSDP2's padded shard of ``fp`` (dim 0 split as torch.chunk does, padded to the first's)."""
-    return -(-fp._orig_size[0] // fp.mesh_info.shard_mesh_size)
+        return values, self.scale[k]
 
 
 def _param_dtype(fp) -> torch.dtype | None:
@@ -176,7 +171,7 @@ def _cast_ref(fp, amax) -> torch.Tensor:
     """One shard in E4M3 by ``amax``, zero-padded to FSDP2's padded shard rows, by quantize() (where the
     many-tensor kernel does not run: off CUDA, or shards of several dtypes or roundings)."""
     shard = fp._sharded_local_tensor
-    values = shard.new_zeros((_padded_rows(fp), fp._orig_size[1]), dtype=torch.float8_e4m3fn)
+    values = shard.new_zeros(fp.padded_sharded_param_size, dtype=torch.float8_e4m3fn)
     if shard.numel():
         values[:shard.shape[0]] = quantize(_as_gathered(fp), fp._module_info.module.recipe.specs.w, amax=amax).values
     return values
@@ -184,7 +179,7 @@ def _cast_ref(fp, amax) -> torch.Tensor:
 
 class _PreAllGather:
     """The shard, cast to E4M3 by the whole weight's absmax: the all-gather's input (padded to FSDP2's padded
-    shard rows); the absmax and scale travel as metadata."""
+    shard rows); the scale travels as metadata."""
     # FSDP2 reads the hook's signature at every gather: given, not inspected
     __signature__ = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in
                                        ("mesh", "outer_size", "outer_stride", "module", "mp_policy")])
@@ -200,10 +195,10 @@ class _PreAllGather:
         if weights is None:
             raise RuntimeError("fp8_all_gather: the model whose forward takes these weights' absmaxes is gone; a unit "
                                "of it gathers in FP8 only while that model lives")
-        values, amax, scale = weights.input_of(self.k)
+        values, scale = weights.input_of(self.k)
         # as bytes: a unit of E4M3 weights alone would otherwise be gathered in float8, which not every
         # communication backend takes (with other dtypes FSDP2 gathers bytes anyway)
-        return (values.view(torch.uint8),), (amax, scale)
+        return (values.view(torch.uint8),), scale
 
 
     def __reduce__(self):
@@ -216,12 +211,12 @@ class _PostAllGather:
     """The gathered E4M3 values as the unsharded parameter: a GatheredFp8Weight of the parameter's dtype."""
 
     def __call__(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        (values,), (amax, scale) = all_gather_outputs, metadata
+        (values,), scale = all_gather_outputs, metadata
         values = values.view(torch.float8_e4m3fn)
         if out is not None:  # FSDP2 refilled the storage of the values it holds; the scale is this gather's
-            out._amax, out._scale = amax, scale
+            out._scale = scale
             return None
-        return GatheredFp8Weight(values, scale, amax, param_dtype), (values,)
+        return GatheredFp8Weight(values, scale, param_dtype), (values,)
 
 
 _POST_ALL_GATHER = _PostAllGather()  # (it holds nothing: one for all)

@@ -24,28 +24,28 @@ _VIEWS = {aten.detach.default, aten.alias.default, aten.as_strided.default, aten
 
 class GatheredFp8Weight(torch.Tensor):
     """``values`` (N, K) float8_e4m3fn, contiguous; ``scale`` 0-dim fp32 (values * scale is the weight);
-    ``amax`` 0-dim fp32, the absmax the scale came from; ``dtype``: the dtype it reports (the parameter's)."""
+    ``dtype``: the dtype it reports (the parameter's)."""
 
     @staticmethod
-    def __new__(cls, values: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
+    def __new__(cls, values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
         return torch.Tensor._make_wrapper_subclass(cls, values.shape, strides=values.stride(),
                                                    storage_offset=values.storage_offset(), dtype=dtype,
                                                    device=values.device, requires_grad=False)
 
-    def __init__(self, values, scale, amax, dtype):
-        self._values, self._scale, self._amax = values, scale, amax
+    def __init__(self, values, scale, dtype):
+        self._values, self._scale = values, scale
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     def __tensor_flatten__(self):
-        return ["_values", "_scale", "_amax"], self.dtype
+        return ["_values", "_scale"], self.dtype
 
     @staticmethod
     def __tensor_unflatten__(inner, dtype, outer_size, outer_stride):
-        return GatheredFp8Weight(inner["_values"], inner["_scale"], inner["_amax"], dtype)
+        return GatheredFp8Weight(inner["_values"], inner["_scale"], dtype)
 
     def __repr__(self):
-        return f"GatheredFp8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, amax={self._amax})"
+        return f"GatheredFp8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, scale={self._scale})"
 
     def dequantize(self) -> torch.Tensor:
         return (self._values.float() * self._scale).to(self.dtype)
@@ -55,7 +55,7 @@ class GatheredFp8Weight(torch.Tensor):
         kwargs = kwargs or {}
         if func in _VIEWS:
             w = args[0]
-            return GatheredFp8Weight(func(w._values, *args[1:], **kwargs), w._scale, w._amax, w.dtype)
+            return GatheredFp8Weight(func(w._values, *args[1:], **kwargs), w._scale, w.dtype)
         if _writes_into_it(func, args, kwargs):  # into a dequantized copy: the write would be lost
             raise RuntimeError(f"{func} writes into a weight gathered in FP8, which is read-only "
                                "(lpoptim.nn.fp8_all_gather)")
@@ -76,11 +76,11 @@ def _writes_into_it(func, args, kwargs) -> bool:
 
 
 def gathered_operand(w) -> Operand | None:
-    """W's forward operand where ``w`` arrived in FP8 (values, scale, and its absmax as what the backward's Wᵀ
-    takes its scale from); None for any other weight."""
+    """W's forward operand where ``w`` arrived in FP8 (its values and scale; no absmax: the backward takes Wᵀ
+    from the same values, gathered_dx); None for any other weight."""
     if not isinstance(w, GatheredFp8Weight):
         return None
-    return Operand(w._values, w._scale, w._amax)
+    return Operand(w._values, w._scale)
 
 
 def gathered_dx(gq: Operand, w, out_dtype: torch.dtype) -> torch.Tensor | None:
