@@ -30,6 +30,14 @@ from gloo_ranks import spawn_ranks
 WORLD, STEPS = 3, 3
 
 
+def _fully_shard(module, **kw):
+    """FSDP2 on a CPU mesh of the gloo ranks: without one, FSDP2 would place the parameters on a CUDA device
+    wherever there is one, while the batches here are on the CPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    return fully_shard(module, mesh=init_device_mesh("cpu", (WORLD,)), **kw)
+
+
 def _gathered(w: torch.Tensor) -> GatheredFp8Weight:
     op = quantize(w, RECIPES["fp8_tensor"].specs.w_kept)
     return GatheredFp8Weight(op.values, op.scale, w.dtype)
@@ -257,16 +265,16 @@ class Toy(torch.nn.Module):
 
 def _train(rank: int, recipe: str, fp8: bool, break_shard: bool = False, fp32_masters: bool = False) -> dict:
     """``fp32_masters``: fp32 parameters gathered in bf16 (MixedPrecisionPolicy), else bf16 parameters."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     torch.manual_seed(0)
     model = Toy() if fp32_masters else Toy().to(torch.bfloat16)
     for i, b in enumerate(model.blocks):  # the last block in int4: gathered in bf16, as before
         lpoptim.nn.convert_linears(b, recipe if i < 3 else "int4", skip=())
     kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)) if fp32_masters else {}
-    fully_shard([model.blocks[0], model.blocks[1]], **kw)
-    fully_shard([model.blocks[2], model.blocks[3]], **kw)
-    fully_shard(model, **kw)
+    _fully_shard([model.blocks[0], model.blocks[1]], **kw)
+    _fully_shard([model.blocks[2], model.blocks[3]], **kw)
+    _fully_shard(model, **kw)
     names = fp8_all_gather(model) if fp8 else []
     seen = []  # the weights' types in forward: the one whose hooks break_shard takes off, and another
     for layer in (model.blocks[0].up, model.blocks[1].up):
@@ -320,11 +328,10 @@ def _worker(rank: int, init_file: str, out_dir: str):
     finally:
         module.interpreted = kernels
     # refused while a unit holds its gathered weights, and a second time
-    from torch.distributed.fsdp import fully_shard
     model = Toy().to(torch.bfloat16)
     lpoptim.nn.convert_linears(model.blocks[0], "fp8_tensor", skip=())
-    fully_shard(model.blocks[0])
-    fully_shard(model)
+    _fully_shard(model.blocks[0])
+    _fully_shard(model)
     model.blocks[0].unshard()
     res["refused"] = []
     try:
@@ -342,8 +349,8 @@ def _worker(rank: int, init_file: str, out_dir: str):
     # which is the root
     model = Toy().to(torch.bfloat16)
     lpoptim.nn.convert_linears(model.blocks[0], "fp8_tensor", skip=())
-    fully_shard(model.blocks[0])
-    fully_shard(model)
+    _fully_shard(model.blocks[0])
+    _fully_shard(model)
     fp8_all_gather(model.blocks[0])
     try:
         model(torch.randn(4, 64).bfloat16())
