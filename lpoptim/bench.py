@@ -147,25 +147,30 @@ def build(stack: Stack, cfg: LlamaConfig, device: str, compile_blocks: bool):
     if stack.master == "bf16":
         model.to(torch.bfloat16)
     model.chunked_loss = stack.chunked_loss
+    # as prepare: compiled on CUDA (not recomputed), the weight scale kept on the device (nn/linear.py)
+    from .nn.weight_scale import static_launch_options
+
+    static = static_launch_options()
+    prev = (stack.linears not in (None, "torchao") and compile_blocks and device == "cuda" and not stack.recompute
+            and (stack.cuda_graphs or static is not None))
     if stack.linears == "torchao":
         torchao_float8(model)
     elif stack.linears:
         from .nn import convert_linears
 
-        # as prepare(cuda_graphs=True): as graphs, the weight scale kept on the device (nn/linear.py)
-        convert_linears(model, stack.linears, previous_weight_scale=stack.cuda_graphs)
+        convert_linears(model, stack.linears, previous_weight_scale=prev)
+    compile_kwargs = {"mode": "reduce-overhead"} if stack.cuda_graphs else {"options": static} if prev else {}
     # FP8 activations on compiled blocks: the wrapper calls each block's compiled forward (no graph break per call)
     wrapper_compiles = stack.compress and compile_blocks
     if compile_blocks and not wrapper_compiles:
         for i, block in enumerate(model.layers):
-            model.layers[i] = torch.compile(block, mode="reduce-overhead" if stack.cuda_graphs else None)
+            model.layers[i] = torch.compile(block, **compile_kwargs)
     handle = None
     if stack.compress:
         from .activations import compress_activations
 
-        graphs = wrapper_compiles and stack.cuda_graphs
         handle = compress_activations(model.layers, recompute=stack.recompute,
-                                      compile={"mode": "reduce-overhead"} if graphs else wrapper_compiles,
+                                      compile=(compile_kwargs or True) if wrapper_compiles else False,
                                       attention="fp8" if stack.attention else "keep")
     groups, lr, betas = model.param_groups(0.1), 1e-4, (0.9, 0.95)
     if stack.optimizer in ("torch", "lpoptim"):

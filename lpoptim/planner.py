@@ -38,7 +38,9 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
   Auto: none unless the memory budget needs it; then a rung of the ladder after FP8 activations with attention's
   and before Inductor's budgets: the fewest blocks whose estimate fits, up to ``MAX_OFFLOAD_FRACTION`` of them.
 - ``compile``: each block compiled in place (``block.compile()``; with FP8 activations or recompute, the block's
-  forward, which their wrapper calls: parameter names and state_dict unchanged).
+  forward, which their wrapper calls: parameter names and state_dict unchanged). On one CUDA device, each block
+  run once a step, the low-bit linears there scale W by its previous absmax (Plan.previous_weight_scale), and
+  the blocks are compiled with the option that launches its kernels as Inductor launches its own.
   Auto: on CUDA.
 - ``cuda_graphs``: the compiled blocks replayed as CUDA graphs (``torch.compile``'s mode "reduce-overhead"): the
   host launches a block's kernels in one call instead of one by one. Off unless asked: a block's outputs are
@@ -136,6 +138,8 @@ class Plan:
     packed_check: bool = False  # HF's packed-sequence check answered without a host sync (nn/packed_check.py)
     state_bits: int = 8  # the optimizer's (an optimizer argument; the estimate counts its states)
     cuda_graphs: bool = False  # the compiled blocks as CUDA graphs (mode "reduce-overhead")
+    # the low-bit linears scale W by its previous absmax (nn/weight_scale.py): set by prepare where that pays
+    previous_weight_scale: bool = False
     min_quant_numel: int = 4096  # the optimizer's too
     offload_blocks: int = 0  # the first that many blocks' saved activations in host memory (offload_activations)
     group_size: int = 128
@@ -168,6 +172,8 @@ class Plan:
         where = [f"where {width_label(self.linears_min_features)}"] if self.linears_min_features else []
         if self.linears_min_tokens:
             where.append(f"nn.Linear under {self.linears_min_tokens:,} tokens a call")
+        if self.previous_weight_scale:
+            where.append("W scaled by its previous absmax")
         return ", ".join([self.linears, *where]) if self.linears else "unchanged"
 
     @property
@@ -624,13 +630,40 @@ class _CompileOnRemove:
     """Plan.remove()'s last word on blocks whose compiled forward the FP8-activation wrapper held: compile them
     as prepare compiles unwrapped blocks, so removing the wrapper leaves them compiled."""
 
-    def __init__(self, blocks, mode=None):
-        self.blocks, self.mode = list(blocks), mode
+    def __init__(self, blocks, compile_kwargs: dict):
+        self.blocks, self.compile_kwargs = list(blocks), compile_kwargs
 
     def remove(self) -> None:
         for block in self.blocks:
-            block.compile(mode=self.mode)
+            block.compile(**self.compile_kwargs)
         self.blocks = []
+
+
+def _previous_weight_scale(result: Plan, params) -> bool:
+    """Whether the plan's low-bit linears scale W by its previous absmax (nn/weight_scale.py: one read of W in
+    forward instead of two): in compiled blocks on one CUDA device, as CUDA graphs or where Inductor launches the
+    quantizer's kernels by its static launcher (static_launch_options(); through Triton's own launcher their host
+    time cost more than the pass saves), each block run once a step (not with recompute or HF gradient
+    checkpointing: the second forward would find the state moved by the first) and not under FSDP2 (not measured
+    there)."""
+    from .nn.weight_scale import static_launch_options
+    from .optim.distributed import is_dtensor
+
+    if not (result.linears and result.compile) or result.activations == "recompute" or result.hf_checkpointing:
+        return False
+    devices = {p.device for p in params}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda" or any(is_dtensor(p) for p in params):
+        return False
+    return result.cuda_graphs or static_launch_options() is not None
+
+
+def _compile_kwargs(result: Plan) -> dict:
+    """torch.compile's keyword arguments for the plan's blocks."""
+    from .nn.weight_scale import static_launch_options
+
+    if result.cuda_graphs:
+        return {"mode": "reduce-overhead"}
+    return {"options": static_launch_options()} if result.previous_weight_scale else {}
 
 
 def _keywords(fn, *leave_out: str) -> frozenset:
@@ -679,23 +712,23 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
     stack = list(model.get_submodule(result.blocks))  # its blocks (a Sequential is one module: its elements are)
     if result.use_cache_off:
         _unwrapped(model).config.use_cache = False
-    mode = "reduce-overhead" if result.cuda_graphs else None  # torch.compile's, for CUDA graphs
-    if result.linears:  # the blocks' layers, seen from the model (under FSDP2, which units hold them); as graphs,
-        # the weight scale kept on the device (LowBitLinear says why only there)
-        convert_linears(model, result.linears, previous_weight_scale=result.cuda_graphs,
+    result.previous_weight_scale = _previous_weight_scale(result, params)
+    compile_kwargs = _compile_kwargs(result)
+    if result.linears:  # the blocks' layers, seen from the model (under FSDP2, which units hold them)
+        convert_linears(model, result.linears, previous_weight_scale=result.previous_weight_scale,
                         min_tokens=result.linears_min_tokens,
                         filter_fn=_in_blocks(model, result.blocks, result.linears_min_features))
     wrapped = result.activations in ACTIVATIONS[1:]
     if wrapped:  # compiled, the wrapper calls each block's compiled forward (wrap.py: no graph break per call)
         result.handles.append(compress_activations(
             stack, recompute=result.activations == "recompute",
-            compile={"mode": mode} if result.cuda_graphs else result.compile,
+            compile=(compile_kwargs or True) if result.compile else False,
             attention="fp8" if result.activations == "fp8_attention" else "keep"))
-        if result.compile:
-            result.handles.append(_CompileOnRemove(stack, mode))  # the blocks stay compiled without the wrapper
+        if result.compile:  # the blocks stay compiled without the wrapper
+            result.handles.append(_CompileOnRemove(stack, compile_kwargs))
     elif result.compile:
         for block in stack:
-            block.compile(mode=mode)
+            block.compile(**compile_kwargs)
             if isinstance(result.activations, float):
                 block._compiled_call_impl = _WithActivationBudget(block._compiled_call_impl, result.activations)
     if result.offload_blocks:  # around the compiled calls (or eager forwards)

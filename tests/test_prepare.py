@@ -1150,6 +1150,44 @@ def test_cuda_graphs_conditions():
         _check_cuda_graphs(True, True, activations, p, False)
 
 
+def test_previous_weight_scale_where_it_pays(monkeypatch):
+    """The low-bit linears scale W by its previous absmax (one read of W in forward, not two) in compiled blocks
+    on one CUDA device, as CUDA graphs or where Inductor launches the quantizer's kernels by its static launcher;
+    never with recompute, HF gradient checkpointing, uncompiled blocks, no low-bit linears or several devices; the
+    blocks are compiled with the static-launch option where it is used without graphs, and prepare sets the
+    layers' flag from the same rule."""
+    from types import SimpleNamespace
+
+    from lpoptim.nn.weight_scale import static_launch_options
+    from lpoptim.planner import _compile_kwargs, _previous_weight_scale
+
+    model = _tiny_llama()
+    base = plan(model, compile=True, linears="fp8_delayed")
+    cuda = [SimpleNamespace(device=torch.device("cuda", 0))] * 2  # parameters on one CUDA device, as far as it asks
+    static = static_launch_options()
+    assert _previous_weight_scale(base, cuda) is (static is not None)
+    graphs = replace(base, cuda_graphs=True)
+    assert _previous_weight_scale(graphs, cuda)
+    for changed in (dict(activations="recompute"), dict(hf_checkpointing=True), dict(compile=False),
+                    dict(linears=None)):
+        assert not _previous_weight_scale(replace(graphs, **changed), cuda), changed
+    two = [SimpleNamespace(device=torch.device("cuda", 0)), SimpleNamespace(device=torch.device("cuda", 1))]
+    assert not _previous_weight_scale(graphs, two)
+    assert not _previous_weight_scale(graphs, list(model.parameters()))  # the CPU
+    assert _compile_kwargs(replace(graphs, previous_weight_scale=True)) == {"mode": "reduce-overhead"}
+    assert _compile_kwargs(replace(base, previous_weight_scale=True)) == {"options": static}
+    assert _compile_kwargs(base) == {}
+    # prepare follows the rule: on the CPU nothing; where it holds, every converted layer and the summary
+    opt = prepare(_tiny_llama(), linears="fp8_delayed", compile=False)
+    assert not opt.plan.previous_weight_scale and "previous absmax" not in opt.plan.summary()
+    monkeypatch.setattr("lpoptim.planner._previous_weight_scale", lambda result, params: True)
+    model = _tiny_llama()
+    opt = prepare(model, linears="fp8_delayed", compile=False)
+    layers = [m for m in model.modules() if isinstance(m, LowBitLinear)]
+    assert layers and all(m.previous_weight_scale for m in layers)
+    assert opt.plan.previous_weight_scale and "W scaled by its previous absmax" in opt.plan.summary()
+
+
 def test_preparing_a_prepared_model_again_is_refused_until_its_plan_is_removed():
     """The first optimizer's hooks would go on stepping the parameters inside backward (with its own lr) and free
     the gradients the second one needs: refused, the model as it was; after plan.remove(), prepare works again and

@@ -119,8 +119,7 @@ def convert_linears(model: nn.Module, recipe: str | Recipe = DEFAULT_RECIPE, *,
       is shared with an nn.Embedding when ``skip_tied`` (a tied head), and layers with a feature dim not divisible
       by 16 (with a warning). Embeddings are not Linear and are never touched.
     filter_fn(module, fqn) -> bool: when given, a layer is converted only if it also returns True.
-    previous_weight_scale: set on the converted layers (LowBitLinear says what it does, and why only with CUDA
-      graphs).
+    previous_weight_scale: set on the converted layers (LowBitLinear says what it does, and where it pays).
     min_tokens: an input of fewer tokens (rows, all leading dims together) runs nn.Linear's own forward instead
       (LowBitLinear.min_tokens says why); 0, the default: every call low-bit.
     Parameters are shared, not copied: an optimizer built before the conversion still holds the right tensors.

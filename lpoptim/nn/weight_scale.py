@@ -17,13 +17,16 @@ relative precision is the same over its normal range). The second pass takes it 
 by 1/16 between a step that redid W and the next (a jump decorrelates W's rounding errors from one step to the
 next, which moved an H100 7B run's loss after its first step far more than the step's own update did).
 
-Used where LowBitLinear.previous_weight_scale is set (prepare(cuda_graphs=True) sets it; that attribute says
-why only there), not with recompute: a recomputed forward would find the state moved by the first one.
+Used where LowBitLinear.previous_weight_scale is set (prepare sets it on compiled CUDA blocks, as CUDA graphs or
+with static_launch_options()), not with recompute: a recomputed forward would find the state moved by the first
+one.
 
 ``quantize_weight_prev`` is a torch ``triton_op`` that mutates the state: on CUDA the Triton kernels
 (kernels/linear_quant.py, the rule above in two launches, the second doing nothing where the guess holds), which
 Inductor launches from its own code rather than through a Python custom op (whose launches ran on the host on
-every call); ``take_prev_ref`` elsewhere.
+every call); ``take_prev_ref`` elsewhere. Inductor launches a user's Triton kernels through Triton's own Python
+launcher unless told otherwise (static_launch_options()), which made a compiled 7B step without CUDA graphs
+slower than the absmax pass it saves.
 """
 from __future__ import annotations
 
@@ -34,6 +37,18 @@ from ..quant import PREV_ABSMAX_HEADROOM as HEADROOM
 from ..quant import PREV_SLOTS as SLOTS  # previous absmax, this call's own, the second launch's ticket
 from ..quant import finite_absmax
 from .operands import Operand, quantize_operand_ref
+
+
+def static_launch_options() -> dict | None:
+    """torch.compile options under which Inductor launches quantize_weight_prev's kernels by its static launcher,
+    as it does its own kernels; None where this torch has no such option (Triton's own launcher costs about a tenth
+    of a millisecond of host time a launch, two launches a weight)."""
+    import torch._inductor.config as config
+
+    option = "static_launch_user_defined_triton_kernels"
+    if getattr(config, "use_static_cuda_launcher", False) and hasattr(config, option):
+        return {option: True}
+    return None
 
 
 def new_state(device=None) -> torch.Tensor:
