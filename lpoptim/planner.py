@@ -38,9 +38,10 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
   Auto: none unless the memory budget needs it; then a rung of the ladder after FP8 activations with attention's
   and before Inductor's budgets: the fewest blocks whose estimate fits, up to ``MAX_OFFLOAD_FRACTION`` of them.
 - ``compile``: each block compiled in place (``block.compile()``; with FP8 activations or recompute, the block's
-  forward, which their wrapper calls: parameter names and state_dict unchanged). On one CUDA device, each block
-  run once a step, the low-bit linears there scale W by its previous absmax (Plan.previous_weight_scale), and
-  the blocks are compiled with the option that launches its kernels as Inductor launches its own.
+  forward, which their wrapper calls: parameter names and state_dict unchanged). On one CUDA device, as CUDA
+  graphs or with the activations as saved, the low-bit linears there scale W by its previous absmax
+  (Plan.previous_weight_scale says where), the blocks compiled with the option that launches its kernels as
+  Inductor launches its own.
   Auto: on CUDA.
 - ``cuda_graphs``: the compiled blocks replayed as CUDA graphs (``torch.compile``'s mode "reduce-overhead"): the
   host launches a block's kernels in one call instead of one by one. Off unless asked: a block's outputs are
@@ -98,6 +99,7 @@ from .nn.causal_lm_loss import chunk_causal_lm_loss, restore_causal_lm_loss, why
 from .nn.packed_check import skip_packed_check
 from .nn.packed_check import why_not as why_not_packed
 from .nn.recipes import DEFAULT_RECIPE, RECIPES
+from .nn.weight_scale import compile_kwargs, previous_scale_pays
 from .optim import AdamW
 from .optim.adamw import LPOPTIM_DEFAULTS, _is_real
 from .optim import step_in_backward as fuse_step_into_backward
@@ -641,12 +643,8 @@ class _CompileOnRemove:
 
 def _previous_weight_scale(result: Plan, params) -> bool:
     """Whether the plan's low-bit linears scale W by its previous absmax (nn/weight_scale.py: one read of W in
-    forward instead of two): in compiled blocks on one CUDA device, as CUDA graphs or where Inductor launches the
-    quantizer's kernels by its static launcher (static_launch_options(); through Triton's own launcher their host
-    time cost more than the pass saves), each block run once a step (not with recompute or HF gradient
-    checkpointing: the second forward would find the state moved by the first) and not under FSDP2 (not measured
-    there)."""
-    from .nn.weight_scale import static_launch_options
+    forward instead of two): in compiled blocks on one CUDA device, each block run once a step (not with
+    recompute or HF gradient checkpointing), where previous_scale_pays; not under FSDP2 (not measured there)."""
     from .optim.distributed import is_dtensor
 
     if not (result.linears and result.compile) or result.activations == "recompute" or result.hf_checkpointing:
@@ -654,16 +652,7 @@ def _previous_weight_scale(result: Plan, params) -> bool:
     devices = {p.device for p in params}
     if len(devices) != 1 or next(iter(devices)).type != "cuda" or any(is_dtensor(p) for p in params):
         return False
-    return result.cuda_graphs or static_launch_options() is not None
-
-
-def _compile_kwargs(result: Plan) -> dict:
-    """torch.compile's keyword arguments for the plan's blocks."""
-    from .nn.weight_scale import static_launch_options
-
-    if result.cuda_graphs:
-        return {"mode": "reduce-overhead"}
-    return {"options": static_launch_options()} if result.previous_weight_scale else {}
+    return previous_scale_pays(result.cuda_graphs, result.activations is None)
 
 
 def _keywords(fn, *leave_out: str) -> frozenset:
@@ -713,7 +702,7 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
     if result.use_cache_off:
         _unwrapped(model).config.use_cache = False
     result.previous_weight_scale = _previous_weight_scale(result, params)
-    compile_kwargs = _compile_kwargs(result)
+    block_compile = compile_kwargs(result.cuda_graphs, result.previous_weight_scale)
     if result.linears:  # the blocks' layers, seen from the model (under FSDP2, which units hold them)
         convert_linears(model, result.linears, previous_weight_scale=result.previous_weight_scale,
                         min_tokens=result.linears_min_tokens,
@@ -722,13 +711,13 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
     if wrapped:  # compiled, the wrapper calls each block's compiled forward (wrap.py: no graph break per call)
         result.handles.append(compress_activations(
             stack, recompute=result.activations == "recompute",
-            compile=(compile_kwargs or True) if result.compile else False,
+            compile=(block_compile or True) if result.compile else False,
             attention="fp8" if result.activations == "fp8_attention" else "keep"))
         if result.compile:  # the blocks stay compiled without the wrapper
-            result.handles.append(_CompileOnRemove(stack, compile_kwargs))
+            result.handles.append(_CompileOnRemove(stack, block_compile))
     elif result.compile:
         for block in stack:
-            block.compile(**compile_kwargs)
+            block.compile(**block_compile)
             if isinstance(result.activations, float):
                 block._compiled_call_impl = _WithActivationBudget(block._compiled_call_impl, result.activations)
     if result.offload_blocks:  # around the compiled calls (or eager forwards)

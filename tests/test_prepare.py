@@ -1097,8 +1097,11 @@ def test_cuda_graphs_train_as_the_compiled_blocks(activations):
     """prepare(cuda_graphs=True): every compiled block is captured (Inductor skips none) and the usual loop
     trains as with the compiled blocks alone: the same losses and parameters, bf16 with stochastic rounding;
     with FP8 activations too (their wrapper compiles the blocks, packing inside the graphs). Graphs also set the
-    FP8 layers' previous_weight_scale, which the run without them is given by hand. (The linears are named: this
-    small model is narrower than the automatic choice converts.)"""
+    FP8 layers' previous_weight_scale, as the compiled blocks with their activations as saved do where Inductor
+    launches its kernels statically (the run without graphs is given it by hand where not). (The linears are named: this small model is narrower
+    than the automatic choice converts.)"""
+    from lpoptim.nn.weight_scale import static_launch_options
+
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from torch._dynamo.utils import counters
@@ -1112,7 +1115,9 @@ def test_cuda_graphs_train_as_the_compiled_blocks(activations):
         opt = prepare(model, lr=1e-3, cuda_graphs=graphs, activations=activations, linears="fp8_delayed")
         assert opt.plan.cuda_graphs is graphs and ("as CUDA graphs" in opt.plan.summary()) is graphs
         lowbit = [m for m in model.modules() if isinstance(m, LowBitLinear)]
-        assert lowbit and all(m.previous_weight_scale is graphs for m in lowbit)
+        expected = graphs or (activations is None and static_launch_options() is not None)
+        assert opt.plan.previous_weight_scale is expected
+        assert lowbit and all(m.previous_weight_scale is expected for m in lowbit)
         for m in lowbit:  # what graphs set, without them too: the same numerics, so the same bits
             m.previous_weight_scale = True
         gen = torch.Generator(device="cuda").manual_seed(1)
@@ -1152,14 +1157,15 @@ def test_cuda_graphs_conditions():
 
 def test_previous_weight_scale_where_it_pays(monkeypatch):
     """The low-bit linears scale W by its previous absmax (one read of W in forward, not two) in compiled blocks
-    on one CUDA device, as CUDA graphs or where Inductor launches the quantizer's kernels by its static launcher;
-    never with recompute, HF gradient checkpointing, uncompiled blocks, no low-bit linears or several devices; the
+    on one CUDA device, as CUDA graphs, or with the activations as saved where Inductor launches the quantizer's
+    kernels by its static launcher; never with recompute, HF gradient checkpointing, uncompiled blocks, no low-bit
+    linears or several devices; the
     blocks are compiled with the static-launch option where it is used without graphs, and prepare sets the
     layers' flag from the same rule."""
     from types import SimpleNamespace
 
-    from lpoptim.nn.weight_scale import static_launch_options
-    from lpoptim.planner import _compile_kwargs, _previous_weight_scale
+    from lpoptim.nn.weight_scale import compile_kwargs, static_launch_options
+    from lpoptim.planner import _previous_weight_scale
 
     model = _tiny_llama()
     base = plan(model, compile=True, linears="fp8_delayed")
@@ -1171,12 +1177,14 @@ def test_previous_weight_scale_where_it_pays(monkeypatch):
     for changed in (dict(activations="recompute"), dict(hf_checkpointing=True), dict(compile=False),
                     dict(linears=None)):
         assert not _previous_weight_scale(replace(graphs, **changed), cuda), changed
+    for activations in ("fp8", "fp8_attention", 0.5):  # as graphs only (without them: not measured)
+        assert _previous_weight_scale(replace(graphs, activations=activations), cuda)
+        assert not _previous_weight_scale(replace(base, activations=activations), cuda)
     two = [SimpleNamespace(device=torch.device("cuda", 0)), SimpleNamespace(device=torch.device("cuda", 1))]
     assert not _previous_weight_scale(graphs, two)
     assert not _previous_weight_scale(graphs, list(model.parameters()))  # the CPU
-    assert _compile_kwargs(replace(graphs, previous_weight_scale=True)) == {"mode": "reduce-overhead"}
-    assert _compile_kwargs(replace(base, previous_weight_scale=True)) == {"options": static}
-    assert _compile_kwargs(base) == {}
+    assert compile_kwargs(True, True) == compile_kwargs(True, False) == {"mode": "reduce-overhead"}
+    assert compile_kwargs(False, True) == {"options": static} and compile_kwargs(False, False) == {}
     # prepare follows the rule: on the CPU nothing; where it holds, every converted layer and the summary
     opt = prepare(_tiny_llama(), linears="fp8_delayed", compile=False)
     assert not opt.plan.previous_weight_scale and "previous absmax" not in opt.plan.summary()

@@ -105,8 +105,8 @@ def test_compiled_layer_keeps_the_state():
 
 
 def test_convert_linears_sets_it_where_asked():
-    """convert_linears(..., previous_weight_scale=True) sets the flag on the layers it converts (what prepare with
-    cuda_graphs=True asks); off by default."""
+    """convert_linears(..., previous_weight_scale=True) sets the flag on the layers it converts (what prepare asks
+    where it pays: tests/test_prepare.py); off by default."""
     from lpoptim.nn import LowBitLinear, convert_linears
 
     for on in (False, True):
@@ -126,4 +126,4 @@ def test_state_is_zeroed_when_moved_or_materialized():
     m.weight_amax_state.fill_(12345)
     m.to(torch.bfloat16)
     assert m.weight_amax_state.eq(0).all() and m.weight_amax_state.dtype == torch.int32
-    assert not LowBitLinear.previous_weight_scale  # off unless asked (CUDA graphs: prepare sets it)
+    assert not LowBitLinear.previous_weight_scale  # off unless asked (prepare sets it where it pays)

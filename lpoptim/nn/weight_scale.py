@@ -51,6 +51,21 @@ def static_launch_options() -> dict | None:
     return None
 
 
+def previous_scale_pays(cuda_graphs: bool, activations_as_saved: bool) -> bool:
+    """For compiled blocks on one CUDA device, each run once a step (not recomputed: a second forward would find
+    the state moved by the first): whether their layers should take W's previous absmax. As CUDA graphs (the
+    launches off the host), or with the activations as saved where Inductor launches the kernels statically (with
+    FP8 activations or Inductor's budgets, without graphs, not measured)."""
+    return cuda_graphs or (activations_as_saved and static_launch_options() is not None)
+
+
+def compile_kwargs(cuda_graphs: bool, previous_weight_scale: bool) -> dict:
+    """torch.compile's keyword arguments for blocks as CUDA graphs, or whose layers take W's previous absmax."""
+    if cuda_graphs:
+        return {"mode": "reduce-overhead"}
+    return {"options": static_launch_options()} if previous_weight_scale else {}
+
+
 def new_state(device=None) -> torch.Tensor:
     """A weight's state before its first quantization (previous absmax 0: the first takes its own)."""
     return torch.zeros(SLOTS, dtype=torch.int32, device=device)
