@@ -147,31 +147,29 @@ def build(stack: Stack, cfg: LlamaConfig, device: str, compile_blocks: bool):
     if stack.master == "bf16":
         model.to(torch.bfloat16)
     model.chunked_loss = stack.chunked_loss
-    # as prepare (planner._previous_weight_scale): compiled on CUDA, not recomputed, as graphs or with the
-    # activations as saved, the weight scale kept on the device (nn/linear.py)
-    from .nn.weight_scale import compile_kwargs, previous_scale_pays
-
-    as_saved = not stack.compress and stack.activation_budget in (None, 1)
-    prev = (stack.linears not in (None, "torchao") and compile_blocks and device == "cuda" and not stack.recompute
-            and previous_scale_pays(stack.cuda_graphs, as_saved))
     if stack.linears == "torchao":
         torchao_float8(model)
     elif stack.linears:
         from .nn import convert_linears
+        from .nn.weight_scale import previous_scale_pays
 
-        convert_linears(model, stack.linears, previous_weight_scale=prev)
-    block_compile = compile_kwargs(stack.cuda_graphs, prev)
+        # as prepare (planner._previous_weight_scale): the weight scale kept on the device where it pays
+        as_saved = not stack.compress and stack.activation_budget in (None, 1)
+        previous_weight_scale = (stack.linears == "fp8_delayed" and compile_blocks and device == "cuda"
+                                 and not stack.recompute and previous_scale_pays(stack.cuda_graphs, as_saved))
+        convert_linears(model, stack.linears, previous_weight_scale=previous_weight_scale)
     # FP8 activations on compiled blocks: the wrapper calls each block's compiled forward (no graph break per call)
     wrapper_compiles = stack.compress and compile_blocks
     if compile_blocks and not wrapper_compiles:
         for i, block in enumerate(model.layers):
-            model.layers[i] = torch.compile(block, **block_compile)
+            model.layers[i] = torch.compile(block, mode="reduce-overhead" if stack.cuda_graphs else None)
     handle = None
     if stack.compress:
         from .activations import compress_activations
 
+        graphs = wrapper_compiles and stack.cuda_graphs
         handle = compress_activations(model.layers, recompute=stack.recompute,
-                                      compile=(block_compile or True) if wrapper_compiles else False,
+                                      compile={"mode": "reduce-overhead"} if graphs else wrapper_compiles,
                                       attention="fp8" if stack.attention else "keep")
     groups, lr, betas = model.param_groups(0.1), 1e-4, (0.9, 0.95)
     if stack.optimizer in ("torch", "lpoptim"):

@@ -38,10 +38,8 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
   Auto: none unless the memory budget needs it; then a rung of the ladder after FP8 activations with attention's
   and before Inductor's budgets: the fewest blocks whose estimate fits, up to ``MAX_OFFLOAD_FRACTION`` of them.
 - ``compile``: each block compiled in place (``block.compile()``; with FP8 activations or recompute, the block's
-  forward, which their wrapper calls: parameter names and state_dict unchanged). On one CUDA device, as CUDA
-  graphs or with the activations as saved, the low-bit linears there scale W by its previous absmax
-  (Plan.previous_weight_scale says where), the blocks compiled with the option that launches its kernels as
-  Inductor launches its own.
+  forward, which their wrapper calls: parameter names and state_dict unchanged); fp8_delayed linears there scale
+  W by its previous absmax where that pays (Plan.previous_weight_scale).
   Auto: on CUDA.
 - ``cuda_graphs``: the compiled blocks replayed as CUDA graphs (``torch.compile``'s mode "reduce-overhead"): the
   host launches a block's kernels in one call instead of one by one. Off unless asked: a block's outputs are
@@ -99,7 +97,7 @@ from .nn.causal_lm_loss import chunk_causal_lm_loss, restore_causal_lm_loss, why
 from .nn.packed_check import skip_packed_check
 from .nn.packed_check import why_not as why_not_packed
 from .nn.recipes import DEFAULT_RECIPE, RECIPES
-from .nn.weight_scale import compile_kwargs, previous_scale_pays
+from .nn.weight_scale import previous_scale_pays
 from .optim import AdamW
 from .optim.adamw import LPOPTIM_DEFAULTS, _is_real
 from .optim import step_in_backward as fuse_step_into_backward
@@ -140,7 +138,7 @@ class Plan:
     packed_check: bool = False  # HF's packed-sequence check answered without a host sync (nn/packed_check.py)
     state_bits: int = 8  # the optimizer's (an optimizer argument; the estimate counts its states)
     cuda_graphs: bool = False  # the compiled blocks as CUDA graphs (mode "reduce-overhead")
-    # the low-bit linears scale W by its previous absmax (nn/weight_scale.py): set by prepare where that pays
+    # fp8_delayed linears scale W by its previous absmax (nn/weight_scale.py), where that pays
     previous_weight_scale: bool = False
     min_quant_numel: int = 4096  # the optimizer's too
     offload_blocks: int = 0  # the first that many blocks' saved activations in host memory (offload_activations)
@@ -593,6 +591,7 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
             reasons["activations"] = "no memory budget given: the fastest"
         if offload == AUTO:
             reasons["offload"] = "no memory budget given"
+        result.previous_weight_scale = _previous_weight_scale(result, params, stack)
         return result
     # the candidates, fastest first: the budget takes the first that fits. Offloading comes after FP8 activations
     # with attention's (faster at 7B on an H100, 1.14x torch's against 1.03x with 13 of 32 blocks offloaded, same
@@ -623,6 +622,7 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
             reasons["activations"] = f"the fastest whose estimated peak fits {max_memory_gib:.4g} GiB{budget_of}"
             if offload == AUTO:
                 reasons["offload"] = "the fewest blocks that fit" if c.offload_blocks else "not needed to fit"
+            result.previous_weight_scale = _previous_weight_scale(result, params, stack)
             return result
     raise ValueError(f"lpoptim.prepare: nothing fits {max_memory_gib:.4g} GiB{budget_of} at {tokens} tokens a step; "
                      "estimated peaks: " + "; ".join(f"{k}: {v:.3g} GiB" for k, v in estimates.items()))
@@ -632,27 +632,34 @@ class _CompileOnRemove:
     """Plan.remove()'s last word on blocks whose compiled forward the FP8-activation wrapper held: compile them
     as prepare compiles unwrapped blocks, so removing the wrapper leaves them compiled."""
 
-    def __init__(self, blocks, compile_kwargs: dict):
-        self.blocks, self.compile_kwargs = list(blocks), compile_kwargs
+    def __init__(self, blocks, mode=None):
+        self.blocks, self.mode = list(blocks), mode
 
     def remove(self) -> None:
         for block in self.blocks:
-            block.compile(**self.compile_kwargs)
+            block.compile(mode=self.mode)
         self.blocks = []
 
 
-def _previous_weight_scale(result: Plan, params) -> bool:
-    """Whether the plan's low-bit linears scale W by its previous absmax (nn/weight_scale.py: one read of W in
-    forward instead of two): in compiled blocks on one CUDA device, each block run once a step (not with
-    recompute or HF gradient checkpointing), where previous_scale_pays; not under FSDP2 (not measured there)."""
+def _previous_weight_scale(result: Plan, params, stack) -> bool:
+    """Whether the plan's linears scale W by its previous absmax (nn/weight_scale.py: one read of W in forward
+    instead of two): fp8_delayed in compiled blocks on one CUDA device, each block run once a step (not with
+    recompute, HF gradient checkpointing or a checkpoint-wrapped block: a second forward would find the state moved
+    by the first), where previous_scale_pays; not under FSDP2 (not measured there)."""
     from .optim.distributed import is_dtensor
 
-    if not (result.linears and result.compile) or result.activations == "recompute" or result.hf_checkpointing:
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    except ImportError:  # a torch built without torch.distributed has no such wrapper
+        CheckpointWrapper = ()
+    if result.linears != "fp8_delayed" or not result.compile or result.activations == "recompute":
+        return False
+    if result.hf_checkpointing or any(isinstance(block, CheckpointWrapper) for block in stack):
         return False
     devices = {p.device for p in params}
     if len(devices) != 1 or next(iter(devices)).type != "cuda" or any(is_dtensor(p) for p in params):
         return False
-    return previous_scale_pays(result.cuda_graphs, result.activations is None)
+    return previous_scale_pays(result.cuda_graphs, result.activations is None and not result.offload_blocks)
 
 
 def _keywords(fn, *leave_out: str) -> frozenset:
@@ -701,8 +708,7 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
     stack = list(model.get_submodule(result.blocks))  # its blocks (a Sequential is one module: its elements are)
     if result.use_cache_off:
         _unwrapped(model).config.use_cache = False
-    result.previous_weight_scale = _previous_weight_scale(result, params)
-    block_compile = compile_kwargs(result.cuda_graphs, result.previous_weight_scale)
+    mode = "reduce-overhead" if result.cuda_graphs else None  # torch.compile's, for CUDA graphs
     if result.linears:  # the blocks' layers, seen from the model (under FSDP2, which units hold them)
         convert_linears(model, result.linears, previous_weight_scale=result.previous_weight_scale,
                         min_tokens=result.linears_min_tokens,
@@ -711,13 +717,13 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
     if wrapped:  # compiled, the wrapper calls each block's compiled forward (wrap.py: no graph break per call)
         result.handles.append(compress_activations(
             stack, recompute=result.activations == "recompute",
-            compile=(block_compile or True) if result.compile else False,
+            compile={"mode": mode} if result.cuda_graphs else result.compile,
             attention="fp8" if result.activations == "fp8_attention" else "keep"))
-        if result.compile:  # the blocks stay compiled without the wrapper
-            result.handles.append(_CompileOnRemove(stack, block_compile))
+        if result.compile:
+            result.handles.append(_CompileOnRemove(stack, mode))  # the blocks stay compiled without the wrapper
     elif result.compile:
         for block in stack:
-            block.compile(**block_compile)
+            block.compile(mode=mode)
             if isinstance(result.activations, float):
                 block._compiled_call_impl = _WithActivationBudget(block._compiled_call_impl, result.activations)
     if result.offload_blocks:  # around the compiled calls (or eager forwards)

@@ -140,7 +140,7 @@ def test_min_tokens_under_compile():
         x = torch.randn(1, tokens, 64, requires_grad=True)
         like = lin if tokens < 40 else low
         assert torch.equal(run(x), like(x)), tokens
-    # prepare's default recipe with the weight scale kept on the device (as graphs): a small call leaves the state
+    # prepare's default recipe with the weight scale kept on the device (where it pays): a small call leaves the state
     torch._dynamo.reset()
     delayed = LowBitLinear.from_linear(lin, "fp8_delayed")
     delayed.previous_weight_scale, delayed.min_tokens = True, 40

@@ -1097,10 +1097,10 @@ def test_cuda_graphs_train_as_the_compiled_blocks(activations):
     """prepare(cuda_graphs=True): every compiled block is captured (Inductor skips none) and the usual loop
     trains as with the compiled blocks alone: the same losses and parameters, bf16 with stochastic rounding;
     with FP8 activations too (their wrapper compiles the blocks, packing inside the graphs). Graphs also set the
-    FP8 layers' previous_weight_scale, as the compiled blocks with their activations as saved do where Inductor
-    launches its kernels statically (the run without graphs is given it by hand where not). (The linears are named: this small model is narrower
-    than the automatic choice converts.)"""
-    from lpoptim.nn.weight_scale import static_launch_options
+    FP8 layers' previous_weight_scale, which the run without them is given by hand where the plan did not set it
+    (nn.weight_scale.previous_scale_pays). (The linears are named: this small model is narrower than the
+    automatic choice converts.)"""
+    from lpoptim.nn.weight_scale import previous_scale_pays
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -1115,7 +1115,7 @@ def test_cuda_graphs_train_as_the_compiled_blocks(activations):
         opt = prepare(model, lr=1e-3, cuda_graphs=graphs, activations=activations, linears="fp8_delayed")
         assert opt.plan.cuda_graphs is graphs and ("as CUDA graphs" in opt.plan.summary()) is graphs
         lowbit = [m for m in model.modules() if isinstance(m, LowBitLinear)]
-        expected = graphs or (activations is None and static_launch_options() is not None)
+        expected = previous_scale_pays(graphs, activations is None)
         assert opt.plan.previous_weight_scale is expected
         assert lowbit and all(m.previous_weight_scale is expected for m in lowbit)
         for m in lowbit:  # what graphs set, without them too: the same numerics, so the same bits
@@ -1156,44 +1156,57 @@ def test_cuda_graphs_conditions():
 
 
 def test_previous_weight_scale_where_it_pays(monkeypatch):
-    """The low-bit linears scale W by its previous absmax (one read of W in forward, not two) in compiled blocks
-    on one CUDA device, as CUDA graphs, or with the activations as saved where Inductor launches the quantizer's
-    kernels by its static launcher; never with recompute, HF gradient checkpointing, uncompiled blocks, no low-bit
-    linears or several devices; the
-    blocks are compiled with the static-launch option where it is used without graphs, and prepare sets the
-    layers' flag from the same rule."""
+    """fp8_delayed linears scale W by its previous absmax (one read of W in forward, not two) in compiled blocks
+    on one CUDA device, each run once a step: as CUDA graphs, or with the activations as saved where Inductor's
+    compile workers launch user Triton kernels statically (the environment variable, set before Python starts);
+    never with another recipe, recompute, HF gradient checkpointing, a checkpoint-wrapped block, uncompiled blocks
+    or several devices. plan() and prepare() agree, and prepare sets the layers' flag from the plan."""
     from types import SimpleNamespace
 
-    from lpoptim.nn.weight_scale import compile_kwargs, static_launch_options
+    import torch._inductor.config as inductor_config
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from lpoptim.nn import weight_scale
     from lpoptim.planner import _previous_weight_scale
 
     model = _tiny_llama()
+    stack = model.model.layers
     base = plan(model, compile=True, linears="fp8_delayed")
     cuda = [SimpleNamespace(device=torch.device("cuda", 0))] * 2  # parameters on one CUDA device, as far as it asks
-    static = static_launch_options()
-    assert _previous_weight_scale(base, cuda) is (static is not None)
     graphs = replace(base, cuda_graphs=True)
-    assert _previous_weight_scale(graphs, cuda)
+    monkeypatch.delenv(weight_scale.STATIC_USER_LAUNCH_ENV, raising=False)
+    assert not weight_scale.static_user_launches() and not _previous_weight_scale(base, cuda, stack)
+    assert _previous_weight_scale(graphs, cuda, stack)
     for changed in (dict(activations="recompute"), dict(hf_checkpointing=True), dict(compile=False),
-                    dict(linears=None)):
-        assert not _previous_weight_scale(replace(graphs, **changed), cuda), changed
-    for activations in ("fp8", "fp8_attention", 0.5):  # as graphs only (without them: not measured)
-        assert _previous_weight_scale(replace(graphs, activations=activations), cuda)
-        assert not _previous_weight_scale(replace(base, activations=activations), cuda)
+                    dict(linears=None), dict(linears="fp8_tensor")):
+        assert not _previous_weight_scale(replace(graphs, **changed), cuda, stack), changed
+    wrapped = torch.nn.ModuleList([checkpoint_wrapper(stack[0]), stack[1]])
+    assert not _previous_weight_scale(graphs, cuda, wrapped)
     two = [SimpleNamespace(device=torch.device("cuda", 0)), SimpleNamespace(device=torch.device("cuda", 1))]
-    assert not _previous_weight_scale(graphs, two)
-    assert not _previous_weight_scale(graphs, list(model.parameters()))  # the CPU
-    assert compile_kwargs(True, True) == compile_kwargs(True, False) == {"mode": "reduce-overhead"}
-    assert compile_kwargs(False, True) == {"options": static} and compile_kwargs(False, False) == {}
-    # prepare follows the rule: on the CPU nothing; where it holds, every converted layer and the summary
-    opt = prepare(_tiny_llama(), linears="fp8_delayed", compile=False)
-    assert not opt.plan.previous_weight_scale and "previous absmax" not in opt.plan.summary()
-    monkeypatch.setattr("lpoptim.planner._previous_weight_scale", lambda result, params: True)
+    assert not _previous_weight_scale(graphs, two, stack)
+    assert not _previous_weight_scale(graphs, list(model.parameters()), stack)  # the CPU
+    # without graphs: where the workers launch statically, with the activations as saved only (measured there)
+    monkeypatch.setenv(weight_scale.STATIC_USER_LAUNCH_ENV, "1")
+    with inductor_config.patch(static_launch_user_defined_triton_kernels=True, use_static_cuda_launcher=True):
+        assert weight_scale.static_user_launches() is (torch.version.hip is None)
+    with inductor_config.patch(static_launch_user_defined_triton_kernels=False, use_static_cuda_launcher=True):
+        assert not weight_scale.static_user_launches()  # the variable was set after Inductor read it
+    monkeypatch.setattr(weight_scale, "static_user_launches", lambda: True)
+    assert _previous_weight_scale(base, cuda, stack)
+    for changed in (dict(activations="fp8"), dict(activations="fp8_attention"), dict(activations=0.5),
+                    dict(offload_blocks=1)):
+        assert not _previous_weight_scale(replace(base, **changed), cuda, stack), changed
+        assert _previous_weight_scale(replace(graphs, **changed), cuda, stack), changed
+    # plan() says what prepare() does: on the CPU nothing; where the rule holds, the plan and every converted layer
+    assert not base.previous_weight_scale and "previous absmax" not in base.summary()
+    monkeypatch.setattr("lpoptim.planner._previous_weight_scale", lambda result, params, stack: True)
     model = _tiny_llama()
+    chosen = plan(model, linears="fp8_delayed", compile=False)
     opt = prepare(model, linears="fp8_delayed", compile=False)
     layers = [m for m in model.modules() if isinstance(m, LowBitLinear)]
     assert layers and all(m.previous_weight_scale for m in layers)
-    assert opt.plan.previous_weight_scale and "W scaled by its previous absmax" in opt.plan.summary()
+    assert chosen.previous_weight_scale and opt.plan.previous_weight_scale
+    assert all("W scaled by its previous absmax" in p.summary() for p in (chosen, opt.plan))
 
 
 def test_preparing_a_prepared_model_again_is_refused_until_its_plan_is_removed():

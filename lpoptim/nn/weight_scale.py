@@ -17,18 +17,20 @@ relative precision is the same over its normal range). The second pass takes it 
 by 1/16 between a step that redid W and the next (a jump decorrelates W's rounding errors from one step to the
 next, which moved an H100 7B run's loss after its first step far more than the step's own update did).
 
-Used where LowBitLinear.previous_weight_scale is set (prepare sets it on compiled CUDA blocks, as CUDA graphs or
-with static_launch_options()), not with recompute: a recomputed forward would find the state moved by the first
-one.
+Used where LowBitLinear.previous_weight_scale is set (prepare sets it where previous_scale_pays), not with
+recompute: a recomputed forward would find the state moved by the first one.
 
 ``quantize_weight_prev`` is a torch ``triton_op`` that mutates the state: on CUDA the Triton kernels
 (kernels/linear_quant.py, the rule above in two launches, the second doing nothing where the guess holds), which
 Inductor launches from its own code rather than through a Python custom op (whose launches ran on the host on
 every call); ``take_prev_ref`` elsewhere. Inductor launches a user's Triton kernels through Triton's own Python
-launcher unless told otherwise (static_launch_options()), which made a compiled 7B step without CUDA graphs
-slower than the absmax pass it saves.
+launcher, about a tenth of a millisecond of host time a launch, unless its static launcher is allowed them
+(static_user_launches): without CUDA graphs, that host time made a compiled 7B step slower than the absmax pass
+saves.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -39,31 +41,30 @@ from ..quant import finite_absmax
 from .operands import Operand, quantize_operand_ref
 
 
-def static_launch_options() -> dict | None:
-    """torch.compile options under which Inductor launches quantize_weight_prev's kernels by its static launcher,
-    as it does its own kernels; None where this torch has no such option (Triton's own launcher costs about a tenth
-    of a millisecond of host time a launch, two launches a weight)."""
+# Inductor's switch for launching user-defined Triton kernels by its static launcher. Only its environment
+# variable reaches the compile workers (they read it when they start; a torch.compile option or a config patch
+# stays in the parent process, while the worker that compiles a kernel chooses its launcher), so it must be set
+# before Python starts.
+STATIC_USER_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
+
+
+def static_user_launches() -> bool:
+    """Whether Inductor launches user-defined Triton kernels (quantize_weight_prev's) by its static launcher, in
+    this process and its compile workers: STATIC_USER_LAUNCH_ENV=1 in the environment, the static launcher on, on
+    CUDA (not measured on ROCm)."""
     import torch._inductor.config as config
 
-    option = "static_launch_user_defined_triton_kernels"
-    if getattr(config, "use_static_cuda_launcher", False) and hasattr(config, option):
-        return {option: True}
-    return None
+    return (os.environ.get(STATIC_USER_LAUNCH_ENV) == "1" and torch.version.hip is None
+            and bool(getattr(config, "use_static_cuda_launcher", False))
+            and bool(getattr(config, "static_launch_user_defined_triton_kernels", False)))
 
 
 def previous_scale_pays(cuda_graphs: bool, activations_as_saved: bool) -> bool:
     """For compiled blocks on one CUDA device, each run once a step (not recomputed: a second forward would find
-    the state moved by the first): whether their layers should take W's previous absmax. As CUDA graphs (the
-    launches off the host), or with the activations as saved where Inductor launches the kernels statically (with
-    FP8 activations or Inductor's budgets, without graphs, not measured)."""
-    return cuda_graphs or (activations_as_saved and static_launch_options() is not None)
-
-
-def compile_kwargs(cuda_graphs: bool, previous_weight_scale: bool) -> dict:
-    """torch.compile's keyword arguments for blocks as CUDA graphs, or whose layers take W's previous absmax."""
-    if cuda_graphs:
-        return {"mode": "reduce-overhead"}
-    return {"options": static_launch_options()} if previous_weight_scale else {}
+    the state moved by the first), with an fp8_delayed recipe: whether their layers should take W's previous
+    absmax. As CUDA graphs (the launches off the host), or with the activations as saved (no FP8 activations,
+    Inductor budget or offloading: not measured without graphs) where static_user_launches()."""
+    return cuda_graphs or (activations_as_saved and static_user_launches())
 
 
 def new_state(device=None) -> torch.Tensor:
