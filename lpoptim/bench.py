@@ -516,16 +516,21 @@ def _version(package: str) -> str | None:
 
 
 def environment() -> dict:
-    """What every results JSON records beside its figures: GPU, versions (competitors included), command line."""
+    """What every results JSON records beside its figures: GPU, versions (competitors included), command line, and
+    whether Inductor launched user Triton kernels statically (where it did, compiled blocks without CUDA graphs
+    scale fp8_delayed weights by their previous absmax: nn/weight_scale.py)."""
     import shlex
     import sys
+
+    from .nn.weight_scale import static_user_launches
 
     # `python -m lpoptim ...` leaves lpoptim's __main__.py in sys.argv[0]: recorded as the command that reruns it
     argv = ["-m", "lpoptim", *sys.argv[1:]] if Path(sys.argv[0]).parts[-2:] == ("lpoptim", "__main__.py") else sys.argv
     return dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None, torch=torch.__version__,
                 triton=_version("triton"), transformers=_version("transformers"),
                 bitsandbytes=_version("bitsandbytes"), torchao=_version("torchao"),
-                command=shlex.join([sys.executable.rsplit("/", 1)[-1], *argv]))
+                command=shlex.join([sys.executable.rsplit("/", 1)[-1], *argv]),
+                static_user_launches=static_user_launches())
 
 
 def parameter_count(report: dict) -> str:

@@ -38,8 +38,13 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
   Auto: none unless the memory budget needs it; then a rung of the ladder after FP8 activations with attention's
   and before Inductor's budgets: the fewest blocks whose estimate fits, up to ``MAX_OFFLOAD_FRACTION`` of them.
 - ``compile``: each block compiled in place (``block.compile()``; with FP8 activations or recompute, the block's
-  forward, which their wrapper calls: parameter names and state_dict unchanged); fp8_delayed linears there scale
-  W by its previous absmax where that pays (Plan.previous_weight_scale).
+  forward, which their wrapper calls: parameter names and state_dict unchanged).
+- ``previous_weight_scale``: fp8_delayed linears in compiled blocks on one CUDA device scale W by its previous
+  absmax, kept on the device (nn/weight_scale.py: one read of W in forward instead of two). Each block must run
+  once a step: not with recompute, HF gradient checkpointing or checkpoint-wrapped modules (a block that calls
+  torch.utils.checkpoint itself is not seen: pass False); not under FSDP2 (not measured there). Auto: where
+  nn.weight_scale.previous_scale_pays (as CUDA graphs; without them, with the activations as saved where
+  Inductor's compile workers launch user Triton kernels statically).
   Auto: on CUDA.
 - ``cuda_graphs``: the compiled blocks replayed as CUDA graphs (``torch.compile``'s mode "reduce-overhead"): the
   host launches a block's kernels in one call instead of one by one. Off unless asked: a block's outputs are
@@ -138,8 +143,7 @@ class Plan:
     packed_check: bool = False  # HF's packed-sequence check answered without a host sync (nn/packed_check.py)
     state_bits: int = 8  # the optimizer's (an optimizer argument; the estimate counts its states)
     cuda_graphs: bool = False  # the compiled blocks as CUDA graphs (mode "reduce-overhead")
-    # fp8_delayed linears scale W by its previous absmax (nn/weight_scale.py), where that pays
-    previous_weight_scale: bool = False
+    previous_weight_scale: bool = False  # fp8_delayed linears scale W by its previous absmax (nn/weight_scale.py)
     min_quant_numel: int = 4096  # the optimizer's too
     offload_blocks: int = 0  # the first that many blocks' saved activations in host memory (offload_activations)
     group_size: int = 128
@@ -162,7 +166,8 @@ class Plan:
         linears as its recipe named with the thresholds it took)."""
         return dict(blocks=self.blocks, linears=self.linears, linears_min_features=self.linears_min_features,
                     linears_min_tokens=self.linears_min_tokens, activations=self.activations, compile=self.compile,
-                    cuda_graphs=self.cuda_graphs, step_in_backward=self.step_in_backward, chunked_loss=self.chunked_loss,
+                    cuda_graphs=self.cuda_graphs, previous_weight_scale=self.previous_weight_scale,
+                    step_in_backward=self.step_in_backward, chunked_loss=self.chunked_loss,
                     offload=self.offload_blocks, packed_check=self.packed_check, state_bits=self.state_bits,
                     min_quant_numel=self.min_quant_numel,
                     group_size=self.group_size)
@@ -449,7 +454,7 @@ def _check_cuda_graphs(compile, cuda: bool, activations, params, hf_checkpointin
 
 
 def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compile=AUTO, cuda_graphs=False,
-         step_in_backward=AUTO, chunked_loss=AUTO, offload=AUTO, packed_check=AUTO,
+         previous_weight_scale=AUTO, step_in_backward=AUTO, chunked_loss=AUTO, offload=AUTO, packed_check=AUTO,
          max_memory_gib: float | None = None, max_memory_fraction: float | None = None, tokens: int | None = None,
          linears_min_features: int | None = None, linears_min_tokens: int | None = None,
          state_bits: int = 8, min_quant_numel: int = 4096, group_size: int = 128) -> Plan:
@@ -463,7 +468,7 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
     if not budget:
         _check_choice("activations", activations, (*ACTIVATIONS, False))
     for name, value in (("compile", compile), ("step_in_backward", step_in_backward), ("chunked_loss", chunked_loss),
-                        ("packed_check", packed_check)):
+                        ("packed_check", packed_check), ("previous_weight_scale", previous_weight_scale)):
         _check_choice(name, value, (True, False))
     if not isinstance(cuda_graphs, bool):
         raise ValueError(f"lpoptim.prepare: cuda_graphs is True or False, got {cuda_graphs!r}")
@@ -591,7 +596,7 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
             reasons["activations"] = "no memory budget given: the fastest"
         if offload == AUTO:
             reasons["offload"] = "no memory budget given"
-        result.previous_weight_scale = _previous_weight_scale(result, params, stack)
+        result.previous_weight_scale = _previous_weight_scale(result, params, stack, previous_weight_scale)
         return result
     # the candidates, fastest first: the budget takes the first that fits. Offloading comes after FP8 activations
     # with attention's (faster at 7B on an H100, 1.14x torch's against 1.03x with 13 of 32 blocks offloaded, same
@@ -622,7 +627,7 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
             reasons["activations"] = f"the fastest whose estimated peak fits {max_memory_gib:.4g} GiB{budget_of}"
             if offload == AUTO:
                 reasons["offload"] = "the fewest blocks that fit" if c.offload_blocks else "not needed to fit"
-            result.previous_weight_scale = _previous_weight_scale(result, params, stack)
+            result.previous_weight_scale = _previous_weight_scale(result, params, stack, previous_weight_scale)
             return result
     raise ValueError(f"lpoptim.prepare: nothing fits {max_memory_gib:.4g} GiB{budget_of} at {tokens} tokens a step; "
                      "estimated peaks: " + "; ".join(f"{k}: {v:.3g} GiB" for k, v in estimates.items()))
@@ -641,24 +646,29 @@ class _CompileOnRemove:
         self.blocks = []
 
 
-def _previous_weight_scale(result: Plan, params, stack) -> bool:
-    """Whether the plan's linears scale W by its previous absmax (nn/weight_scale.py: one read of W in forward
-    instead of two): fp8_delayed in compiled blocks on one CUDA device, each block run once a step (not with
-    recompute, HF gradient checkpointing or a checkpoint-wrapped block: a second forward would find the state moved
-    by the first), where previous_scale_pays; not under FSDP2 (not measured there)."""
+def _previous_weight_scale(result: Plan, params, stack, choice) -> bool:
+    """``choice`` ("auto", True or False) for the plan (the module docstring's ``previous_weight_scale``): False
+    where the plan cannot take it (True is refused there, with the reason), else the rule or the caller's word."""
     from .optim.distributed import is_dtensor
 
     try:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     except ImportError:  # a torch built without torch.distributed has no such wrapper
         CheckpointWrapper = ()
-    if result.linears != "fp8_delayed" or not result.compile or result.activations == "recompute":
-        return False
-    if result.hf_checkpointing or any(isinstance(block, CheckpointWrapper) for block in stack):
-        return False
     devices = {p.device for p in params}
-    if len(devices) != 1 or next(iter(devices)).type != "cuda" or any(is_dtensor(p) for p in params):
+    why_not = ("it needs fp8_delayed linears" if result.linears != "fp8_delayed" else
+               "it needs compiled blocks" if not result.compile else
+               "it needs one CUDA device" if len(devices) != 1 or next(iter(devices)).type != "cuda" else
+               "not under FSDP2" if any(is_dtensor(p) for p in params) else
+               "a recomputed forward would find the state moved by the first" if (
+                   result.activations == "recompute" or result.hf_checkpointing
+                   or any(isinstance(m, CheckpointWrapper) for m in stack.modules())) else None)
+    if why_not:
+        if choice is True:
+            raise ValueError(f"lpoptim.prepare: previous_weight_scale=True: {why_not}")
         return False
+    if choice != AUTO:
+        return choice
     return previous_scale_pays(result.cuda_graphs, result.activations is None and not result.offload_blocks)
 
 
@@ -672,7 +682,8 @@ _ADAMW_OPTIONS = _keywords(AdamW.__init__, "self", "params", "lr") | frozenset(L
 
 
 def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, linears=AUTO, activations=AUTO,
-            compile=AUTO, cuda_graphs: bool = False, step_in_backward=AUTO, chunked_loss=AUTO, offload=AUTO,
+            compile=AUTO, cuda_graphs: bool = False, previous_weight_scale=AUTO, step_in_backward=AUTO,
+            chunked_loss=AUTO, offload=AUTO,
             packed_check=AUTO, max_memory_gib: float | None = None,
             max_memory_fraction: float | None = None, tokens: int | None = None,
             linears_min_features: int | None = None, linears_min_tokens: int | None = None, verbose: bool = False,
@@ -692,7 +703,8 @@ def prepare(model: nn.Module, lr: float | torch.Tensor = 1e-3, *, blocks=None, l
         if is_fsdp_unit(module):  # the gathered tensors in place of their parameters: the optimizer takes the shards
             module.reshard()
     result = plan(model, blocks=blocks, linears=linears, activations=activations, compile=compile,
-                  cuda_graphs=cuda_graphs, step_in_backward=step_in_backward, chunked_loss=chunked_loss, offload=offload,
+                  cuda_graphs=cuda_graphs, previous_weight_scale=previous_weight_scale,
+                  step_in_backward=step_in_backward, chunked_loss=chunked_loss, offload=offload,
                   packed_check=packed_check,
                   max_memory_gib=max_memory_gib,
                   max_memory_fraction=max_memory_fraction, tokens=tokens,

@@ -19,8 +19,9 @@ def test_kernels_do_not_import_nn():
 def test_no_environment_switches():
     """lpoptim is configured by arguments, not environment variables: those it reads are Triton's own
     TRITON_INTERPRET (kernels/grid.py: whether kernels run under the interpreter) and Inductor's own switch for
-    launching user Triton kernels statically (nn/weight_scale.py: what Inductor's compile workers will do), and no
-    module reads one at import."""
+    launching user Triton kernels statically (nn/weight_scale.py: whether Inductor's compile workers will, which
+    informs prepare's automatic previous_weight_scale; the argument overrides it), and no module reads one at
+    import."""
     reads = []
     for path in sorted(KERNELS.parent.rglob("*.py")):
         tree = ast.parse(path.read_text())

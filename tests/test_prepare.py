@@ -457,6 +457,8 @@ BAD_OPTIONS = [
     (dict(activations=0.5), ValueError, "needs compile=True"),  # the budget is Inductor's: compiled blocks only
     (dict(compile="yes"), ValueError, "compile='yes'"),
     (dict(cuda_graphs="yes"), ValueError, "cuda_graphs is True or False"),
+    (dict(previous_weight_scale="yes"), ValueError, "previous_weight_scale='yes'"),
+    (dict(previous_weight_scale=True), ValueError, "previous_weight_scale=True: it needs compiled blocks"),
     (dict(cuda_graphs=True), ValueError, "cuda_graphs=True needs the model on CUDA"),
     (dict(step_in_backward="sometimes"), ValueError, "step_in_backward"),
     (dict(offload=2, activations=None), ValueError, "offload=2: not here \\(not on CUDA\\)"),
@@ -805,8 +807,8 @@ def test_plan_options_make_the_same_plan_again():
         first = plan(model, **kw)
         options = json.loads(json.dumps(first.options()))  # as a bench file holds them
         again = plan(model, **options)
-        fields = ("blocks", "linears", "activations", "compile", "cuda_graphs", "step_in_backward", "chunked_loss",
-                  "state_bits", "min_quant_numel", "group_size")
+        fields = ("blocks", "linears", "activations", "compile", "cuda_graphs", "previous_weight_scale",
+                  "step_in_backward", "chunked_loss", "state_bits", "min_quant_numel", "group_size")
         assert [getattr(again, f) for f in fields] == [getattr(first, f) for f in fields], kw
     opt = prepare(_tiny_llama(num_hidden_layers=4), lr=1e-3, **options)
     assert opt.plan.options() == options and opt.param_groups[0]["state_bits"] == 4
@@ -1157,17 +1159,18 @@ def test_cuda_graphs_conditions():
 
 def test_previous_weight_scale_where_it_pays(monkeypatch):
     """fp8_delayed linears scale W by its previous absmax (one read of W in forward, not two) in compiled blocks
-    on one CUDA device, each run once a step: as CUDA graphs, or with the activations as saved where Inductor's
-    compile workers launch user Triton kernels statically (the environment variable, set before Python starts);
-    never with another recipe, recompute, HF gradient checkpointing, a checkpoint-wrapped block, uncompiled blocks
-    or several devices. plan() and prepare() agree, and prepare sets the layers' flag from the plan."""
+    on one CUDA device, each run once a step. Auto: as CUDA graphs, or with the activations as saved where
+    Inductor's compile workers launch user Triton kernels statically (its environment variable); never with another
+    recipe, recompute, HF gradient checkpointing, a checkpoint-wrapped module, uncompiled blocks or several devices,
+    where True is refused with the reason; False is kept. plan() and prepare() agree (both of plan's returns),
+    options() records the choice, and prepare sets the layers' flag from the plan."""
     from types import SimpleNamespace
 
     import torch._inductor.config as inductor_config
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     from lpoptim.nn import weight_scale
-    from lpoptim.planner import _previous_weight_scale
+    from lpoptim.planner import AUTO, _previous_weight_scale
 
     model = _tiny_llama()
     stack = model.model.layers
@@ -1175,38 +1178,56 @@ def test_previous_weight_scale_where_it_pays(monkeypatch):
     cuda = [SimpleNamespace(device=torch.device("cuda", 0))] * 2  # parameters on one CUDA device, as far as it asks
     graphs = replace(base, cuda_graphs=True)
     monkeypatch.delenv(weight_scale.STATIC_USER_LAUNCH_ENV, raising=False)
-    assert not weight_scale.static_user_launches() and not _previous_weight_scale(base, cuda, stack)
-    assert _previous_weight_scale(graphs, cuda, stack)
-    for changed in (dict(activations="recompute"), dict(hf_checkpointing=True), dict(compile=False),
-                    dict(linears=None), dict(linears="fp8_tensor")):
-        assert not _previous_weight_scale(replace(graphs, **changed), cuda, stack), changed
-    wrapped = torch.nn.ModuleList([checkpoint_wrapper(stack[0]), stack[1]])
-    assert not _previous_weight_scale(graphs, cuda, wrapped)
+    assert not weight_scale.static_user_launches() and not _previous_weight_scale(base, cuda, stack, AUTO)
+    assert _previous_weight_scale(graphs, cuda, stack, AUTO) and _previous_weight_scale(base, cuda, stack, True)
+    assert not _previous_weight_scale(graphs, cuda, stack, False)
+    wrapped = _tiny_llama().model.layers
+    wrapped[1].mlp = checkpoint_wrapper(wrapped[1].mlp)  # one module inside a block is enough to run it twice
     two = [SimpleNamespace(device=torch.device("cuda", 0)), SimpleNamespace(device=torch.device("cuda", 1))]
-    assert not _previous_weight_scale(graphs, two, stack)
-    assert not _previous_weight_scale(graphs, list(model.parameters()), stack)  # the CPU
-    # without graphs: where the workers launch statically, with the activations as saved only (measured there)
+    for result, params, blocks, why in (
+            (replace(graphs, linears="fp8_tensor"), cuda, stack, "fp8_delayed"),
+            (replace(graphs, linears=None), cuda, stack, "fp8_delayed"),
+            (replace(graphs, compile=False), cuda, stack, "compiled"),
+            (graphs, two, stack, "one CUDA device"), (graphs, list(model.parameters()), stack, "one CUDA device"),
+            (replace(graphs, activations="recompute"), cuda, stack, "recomputed"),
+            (replace(graphs, hf_checkpointing=True), cuda, stack, "recomputed"),
+            (graphs, cuda, wrapped, "recomputed")):
+        assert not _previous_weight_scale(result, params, blocks, AUTO), why
+        with pytest.raises(ValueError, match=why):
+            _previous_weight_scale(result, params, blocks, True)
+    # without graphs, auto: where the workers launch statically, with the activations as saved only (measured there)
     monkeypatch.setenv(weight_scale.STATIC_USER_LAUNCH_ENV, "1")
     with inductor_config.patch(static_launch_user_defined_triton_kernels=True, use_static_cuda_launcher=True):
         assert weight_scale.static_user_launches() is (torch.version.hip is None)
-    with inductor_config.patch(static_launch_user_defined_triton_kernels=False, use_static_cuda_launcher=True):
-        assert not weight_scale.static_user_launches()  # the variable was set after Inductor read it
+    with inductor_config.patch(static_launch_user_defined_triton_kernels=True, use_static_cuda_launcher=False):
+        assert not weight_scale.static_user_launches()
     monkeypatch.setattr(weight_scale, "static_user_launches", lambda: True)
-    assert _previous_weight_scale(base, cuda, stack)
+    assert _previous_weight_scale(base, cuda, stack, AUTO)
     for changed in (dict(activations="fp8"), dict(activations="fp8_attention"), dict(activations=0.5),
                     dict(offload_blocks=1)):
-        assert not _previous_weight_scale(replace(base, **changed), cuda, stack), changed
-        assert _previous_weight_scale(replace(graphs, **changed), cuda, stack), changed
-    # plan() says what prepare() does: on the CPU nothing; where the rule holds, the plan and every converted layer
-    assert not base.previous_weight_scale and "previous absmax" not in base.summary()
-    monkeypatch.setattr("lpoptim.planner._previous_weight_scale", lambda result, params, stack: True)
+        assert not _previous_weight_scale(replace(base, **changed), cuda, stack, AUTO), changed
+        assert _previous_weight_scale(replace(graphs, **changed), cuda, stack, AUTO), changed
+    # plan's two returns ask with its parameters and blocks, and the caller's choice
+    calls = []
+
+    def recorder(result, params, blocks, choice):
+        calls.append((params, blocks, choice))
+        return True
+
+    monkeypatch.setattr("lpoptim.planner._previous_weight_scale", recorder)
     model = _tiny_llama()
-    chosen = plan(model, linears="fp8_delayed", compile=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    chosen = [plan(model, linears="fp8_delayed", compile=False),
+              plan(model, linears="fp8_delayed", compile=False, max_memory_gib=1e9, tokens=64,
+                   previous_weight_scale=False)]
+    assert [(p == params, b is model.model.layers, c) for p, b, c in calls] == [(True, True, AUTO),
+                                                                                (True, True, False)]
     opt = prepare(model, linears="fp8_delayed", compile=False)
     layers = [m for m in model.modules() if isinstance(m, LowBitLinear)]
     assert layers and all(m.previous_weight_scale for m in layers)
-    assert chosen.previous_weight_scale and opt.plan.previous_weight_scale
-    assert all("W scaled by its previous absmax" in p.summary() for p in (chosen, opt.plan))
+    for p in (*chosen, opt.plan):
+        assert p.previous_weight_scale and "W scaled by its previous absmax" in p.summary()
+        assert p.options()["previous_weight_scale"] is True
 
 
 def test_preparing_a_prepared_model_again_is_refused_until_its_plan_is_removed():

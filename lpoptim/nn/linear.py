@@ -28,10 +28,11 @@ def check_dims(in_features: int, out_features: int) -> None:
 
 class LowBitLinear(nn.Linear):
     # Compiled, with delayed scaling: W scaled by its previous absmax kept on the device (nn/weight_scale.py), one
-    # read of W in forward instead of two. Off by default: it pays as CUDA graphs, or where Inductor launches its
-    # kernels by its static launcher (weight_scale.previous_scale_pays; through Triton's own launcher their host
-    # time cost more than the pass saves); prepare sets it there. Not with recompute (activation checkpointing):
-    # the recomputed forward would take the scale the first one left, not the one it took.
+    # read of W in forward instead of two. Off by default: it pays as CUDA graphs, or with the activations as saved
+    # where Inductor launches its kernels by its static launcher (weight_scale.previous_scale_pays; through
+    # Triton's own launcher their host time cost more than the pass saves); prepare(previous_weight_scale="auto")
+    # sets it there. Not with recompute (activation checkpointing): the recomputed forward would take the scale
+    # the first one left, not the one it took.
     previous_weight_scale = False
     # Inputs of fewer tokens (rows) than this run nn.Linear's own forward (bf16 GEMMs under autocast; W cast to x's
     # dtype without autocast, as the low-bit path takes mixed dtypes where nn.Linear raises): W is quantized

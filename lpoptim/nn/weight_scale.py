@@ -24,9 +24,8 @@ recompute: a recomputed forward would find the state moved by the first one.
 (kernels/linear_quant.py, the rule above in two launches, the second doing nothing where the guess holds), which
 Inductor launches from its own code rather than through a Python custom op (whose launches ran on the host on
 every call); ``take_prev_ref`` elsewhere. Inductor launches a user's Triton kernels through Triton's own Python
-launcher, about a tenth of a millisecond of host time a launch, unless its static launcher is allowed them
-(static_user_launches): without CUDA graphs, that host time made a compiled 7B step slower than the absmax pass
-saves.
+launcher unless its static launcher is allowed them (static_user_launches): without CUDA graphs, that launcher's
+host time made a compiled 7B step slower than the absmax pass saves.
 """
 from __future__ import annotations
 
