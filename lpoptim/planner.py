@@ -51,8 +51,9 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
   overwritten by its next call (torch raises where a kept one is read afterwards), each new input shape records
   a graph of its own, and the graphs' memory is a pool of their own, gradients included: each step's gradients
   must be used before the next forward (the step in backward, or one backward per ``opt.step()``; not gradient
-  accumulation). Needs compiled blocks on one CUDA device (not FSDP2, no HF gradient checkpointing) and
-  activations other than "recompute" (which runs the blocks again inside backward, outside their graphs).
+  accumulation). Needs compiled blocks on one CUDA device (not FSDP2, no HF gradient checkpointing or
+  checkpoint-wrapped modules) and activations other than "recompute" (which runs the blocks again inside
+  backward, outside their graphs).
 - ``step_in_backward``: each parameter updated during backward and its gradient freed at once, so the whole
   set of gradients never exists. ``opt.step()`` and ``opt.zero_grad()`` stay in the loop (they find nothing left
   to do); a loop that needs every gradient at once cannot have it: a second backward before ``opt.step()``
@@ -430,7 +431,18 @@ def _thresholds(linears, min_features, min_tokens) -> tuple[int, int]:
     return out[0], out[1]
 
 
-def _check_cuda_graphs(compile, cuda: bool, activations, params, hf_checkpointing: bool) -> None:
+def _checkpoint_wrapped(stack: nn.Module) -> bool:
+    """Whether a module of the blocks is checkpoint-wrapped (torch.distributed's checkpoint_wrapper): its forward
+    runs again inside backward."""
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    except ImportError:  # a torch built without torch.distributed has no such wrapper
+        return False
+    return any(isinstance(m, CheckpointWrapper) for m in stack.modules())
+
+
+def _check_cuda_graphs(compile, cuda: bool, activations, params, hf_checkpointing: bool,
+                       wrapped: bool = False) -> None:
     """cuda_graphs=True's conditions, checked before anything changes (plan's docstring says why)."""
     if not cuda:
         raise ValueError("lpoptim.prepare: cuda_graphs=True needs the model on CUDA")
@@ -443,6 +455,9 @@ def _check_cuda_graphs(compile, cuda: bool, activations, params, hf_checkpointin
         raise ValueError("lpoptim.prepare: cuda_graphs=True with HF gradient checkpointing on: not supported (its "
                          "recompute runs the blocks again inside backward); call "
                          "model.gradient_checkpointing_disable() first")
+    if wrapped:
+        raise ValueError("lpoptim.prepare: cuda_graphs=True with checkpoint-wrapped modules in the blocks: not "
+                         "supported (their recompute runs inside backward, outside the blocks' graphs)")
     if len({p.device for p in params}) > 1:
         raise ValueError("lpoptim.prepare: cuda_graphs=True on a model spread over several devices: the blocks' "
                          "graphs are recorded for one")
@@ -518,7 +533,7 @@ def plan(model: nn.Module, *, blocks=None, linears=AUTO, activations=AUTO, compi
         raise ValueError(f"lpoptim.prepare: activations={activations} is a budget for Inductor: it needs compile=True")
     hf = _unwrapped(model)
     if cuda_graphs:
-        _check_cuda_graphs(compile, cuda, activations, params, _hf_checkpointing(hf))
+        _check_cuda_graphs(compile, cuda, activations, params, _hf_checkpointing(hf), _checkpoint_wrapped(stack))
     if linears == AUTO:
         linears, reasons["linears"] = auto_linears(bool(compile), fp8_cores, tokens, stack, min_features, min_tokens)
     else:
@@ -651,18 +666,14 @@ def _previous_weight_scale(result: Plan, params, stack, choice) -> bool:
     where the plan cannot take it (True is refused there, with the reason), else the rule or the caller's word."""
     from .optim.distributed import is_dtensor
 
-    try:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    except ImportError:  # a torch built without torch.distributed has no such wrapper
-        CheckpointWrapper = ()
     devices = {p.device for p in params}
     why_not = ("it needs fp8_delayed linears" if result.linears != "fp8_delayed" else
                "it needs compiled blocks" if not result.compile else
                "it needs one CUDA device" if len(devices) != 1 or next(iter(devices)).type != "cuda" else
                "not under FSDP2" if any(is_dtensor(p) for p in params) else
                "a recomputed forward would find the state moved by the first" if (
-                   result.activations == "recompute" or result.hf_checkpointing
-                   or any(isinstance(m, CheckpointWrapper) for m in stack.modules())) else None)
+                   result.activations == "recompute" or result.hf_checkpointing or _checkpoint_wrapped(stack))
+               else None)
     if why_not:
         if choice is True:
             raise ValueError(f"lpoptim.prepare: previous_weight_scale=True: {why_not}")

@@ -1149,7 +1149,8 @@ def test_cuda_graphs_conditions():
     for args, match in (((False, None, p, False), "replays the compiled blocks"),
                         ((True, "recompute", p, False), "runs each block again inside backward"),
                         ((True, None, p, True), "HF gradient checkpointing"),
-                        ((True, None, [torch.zeros(1), torch.zeros(1, device="meta")], False), "several devices")):
+                        ((True, None, [torch.zeros(1), torch.zeros(1, device="meta")], False), "several devices"),
+                        ((True, None, p, False, True), "checkpoint-wrapped")):
         with pytest.raises(ValueError, match=match):
             _check_cuda_graphs(args[0], True, *args[1:])
     _check_cuda_graphs(True, True, None, p, False)
