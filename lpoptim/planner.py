@@ -39,13 +39,13 @@ The parts, each chosen automatically ("auto") or by the caller (a value, or Fals
   and before Inductor's budgets: the fewest blocks whose estimate fits, up to ``MAX_OFFLOAD_FRACTION`` of them.
 - ``compile``: each block compiled in place (``block.compile()``; with FP8 activations or recompute, the block's
   forward, which their wrapper calls: parameter names and state_dict unchanged).
+  Auto: on CUDA.
 - ``previous_weight_scale``: fp8_delayed linears in compiled blocks on one CUDA device scale W by its previous
   absmax, kept on the device (nn/weight_scale.py: one read of W in forward instead of two). Each block must run
   once a step: not with recompute, HF gradient checkpointing or checkpoint-wrapped modules (a block that calls
   torch.utils.checkpoint itself is not seen: pass False); not under FSDP2 (not measured there). Auto: where
   nn.weight_scale.previous_scale_pays (as CUDA graphs; without them, with the activations as saved where
   Inductor's compile workers launch user Triton kernels statically).
-  Auto: on CUDA.
 - ``cuda_graphs``: the compiled blocks replayed as CUDA graphs (``torch.compile``'s mode "reduce-overhead"): the
   host launches a block's kernels in one call instead of one by one. Off unless asked: a block's outputs are
   overwritten by its next call (torch raises where a kept one is read afterwards), each new input shape records
@@ -675,11 +675,11 @@ def _previous_weight_scale(result: Plan, params, stack, choice) -> bool:
                    result.activations == "recompute" or result.hf_checkpointing or _checkpoint_wrapped(stack))
                else None)
     if why_not:
-        if choice is True:
+        if choice != AUTO and choice:  # True (or 1)
             raise ValueError(f"lpoptim.prepare: previous_weight_scale=True: {why_not}")
         return False
     if choice != AUTO:
-        return choice
+        return bool(choice)
     return previous_scale_pays(result.cuda_graphs, result.activations is None and not result.offload_blocks)
 
 
